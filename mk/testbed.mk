@@ -1,0 +1,19 @@
+# The VM testbed: two qemu VMs (storage target + node) provisioned by the same roles as the lab.
+.PHONY: testbed testbed-down testbed-status image test-testbed
+
+transport ?= rdma
+
+testbed: setup ## boot the VM testbed (transport=rdma|tcp) from the cached image; writes inventories/testbed/hosts.yml
+	$(KVLAB) testbed up --transport $(transport)
+
+testbed-down: setup ## stop the testbed VMs by PID (console logs are kept)
+	$(KVLAB) testbed down
+
+testbed-status: setup ## the testbed VMs and the node's NVMe-oF controllers (JSON)
+	$(KVLAB) testbed status --json
+
+image: setup ## build the testbed VM image from scratch, print its sha256s; fails if it differs from the cached build
+	$(KVLAB) testbed image --rebuild
+
+test-testbed: setup ## testbed tier: VMs + deploy + verify + fault tests (~10 min, image cached by inputs)
+	$(PYTEST) tests/testbed -m testbed

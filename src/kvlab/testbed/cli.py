@@ -1,0 +1,113 @@
+"""`kvlab testbed up|down|status|image`: the VM testbed from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvlab.testbed import image, testbed, vm
+
+
+class _Fail(Exception):
+    pass
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("testbed", help="the VM testbed (storage target + node over NVMe-oF)")
+    s = p.add_subparsers(dest="testbed_command", required=True)
+
+    u = s.add_parser("up", help="boot the VMs from the cached image and write inventories/testbed/hosts.yml")
+    u.add_argument("--transport", choices=testbed.TRANSPORTS, default="rdma",
+                   help="fabric transport the roles set up and verification asserts (default rdma)")
+    u.add_argument("--name", default="default", help="testbed name (state under kvlab's state folder)")
+    u.add_argument("--inventory", type=Path, help="where to write the inventory (default inventories/testbed/hosts.yml)")
+    u.set_defaults(func=_up)
+
+    d = s.add_parser("down", help="stop the VMs by PID (console logs are kept)")
+    d.add_argument("--name", default="default")
+    d.set_defaults(func=_down)
+
+    st = s.add_parser("status", help="each VM and the node's NVMe controllers")
+    st.add_argument("--name", default="default")
+    st.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    st.set_defaults(func=_status)
+
+    i = s.add_parser("image", help="build the testbed image (cached by input hash) and print its sha256")
+    i.add_argument("--definition", type=Path, default=None, help="image definition folder (default images/testbed)")
+    i.add_argument("--rebuild", action="store_true",
+                   help="build from scratch even if cached, and fail if the result differs from the cached one")
+    i.add_argument("--repin", action="store_true", help="re-resolve packages.lock from the mirror")
+    i.add_argument("--print-hash", action="store_true", help="print the input hash only")
+    i.set_defaults(func=_image)
+
+
+def _errors(fn):
+    def wrapped(args):
+        from kvlab.cli import UserError
+
+        try:
+            return fn(args)
+        except (testbed.TestbedError, image.ImageError, vm.VMError) as e:
+            raise UserError(str(e)) from e
+
+    return wrapped
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@_errors
+def _up(args) -> int:
+    testbed.up(args.name, transport=args.transport, inventory_path=args.inventory, log=_log)
+    return 0
+
+
+@_errors
+def _down(args) -> int:
+    testbed.down(args.name, log=lambda msg: print(msg, file=sys.stderr))
+    return 0
+
+
+@_errors
+def _status(args) -> int:
+    st = testbed.status(args.name)
+    if args.json:
+        print(json.dumps(st, sort_keys=True))
+        return 0
+    if not st["machines"]:
+        print(f"testbed {args.name}: down")
+        return 0
+    print(f"testbed {args.name}: transport {st['transport']}, image {st['image']}")
+    for m in st["machines"]:
+        state = "running" if m["running"] else "stopped"
+        print(f"  {m['name']:<7} {state} pid {m['pid']} ssh 127.0.0.1:{m['ssh_port']} console {m['console_log']}")
+        for c in m.get("nvme_controllers", []):
+            print(f"    {c['name']} {c['transport']} {c['state']} {c['address'].get('traddr', '')} {c['subsysnqn']}")
+    return 0
+
+
+@_errors
+def _image(args) -> int:
+    root = (args.definition or image.definition_root()).resolve()
+    defn = image.Definition.load(root)
+    if args.print_hash:
+        print(image.input_hash(root))
+        return 0
+    if args.repin:
+        image.build(defn, repin=True)
+        return 0
+    before = image.cached(root)
+    old = image.manifest(before)["sha256"] if before else None
+    if before and not args.rebuild:
+        out = before
+    else:
+        out = image.build(defn)
+    new = image.manifest(out)
+    for f, digest in sorted(new["sha256"].items()):
+        print(f"{digest}  {out / f}")
+    if old and old != new["sha256"]:
+        raise image.ImageError(f"not reproducible: the rebuild of inputs {new['input_hash']} differs from the cached one")
+    return 0

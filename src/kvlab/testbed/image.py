@@ -1,0 +1,317 @@
+"""The testbed VM image: a pinned definition in images/testbed, built reproducibly, cached by input hash.
+
+Build: mmdebstrap (root mode) unpacks exactly the versions in packages.lock from the release's
+signed suites, a customisation script runs in the chroot, everything non-deterministic is removed
+(logs, caches, machine-id, SSH host keys, NVMe host NQN, byte-code), then `mke2fs -d` writes an ext4
+root filesystem with a fixed UUID, hash seed and clock (SOURCE_DATE_EPOCH; a small LD_PRELOAD shim
+clamps the atime/ctime that mke2fs copies from the unpacked tree). The kernel and initrd are taken
+out of the tree so that qemu boots them directly: no bootloader, no partition table.
+
+The image lives outside the checkout in `cache_dir()/images/<input-hash>/`; the input hash covers
+every file of the definition, this builder and the versions of the host tools it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from kvlab import paths
+
+# Bumped when the build procedure changes in a way the hashed files do not show.
+BUILDER_VERSION = "1"
+IMAGE_FILES = ("disk.raw", "vmlinuz", "initrd.img")
+HOST_TOOLS = (["mmdebstrap", "--version"], ["mke2fs", "-V"], ["cc", "--version"])
+
+
+class ImageError(Exception):
+    """A build that cannot go on; the message names the input and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Definition:
+    root: Path  # images/<name>
+    name: str
+    release: str
+    arch: str
+    sources: tuple[str, ...]
+    keyring: Path
+    key_fingerprints: tuple[str, ...]
+    source_date_epoch: int
+    filesystem_uuid: str
+    hash_seed: str
+    size_mib: int
+    packages: tuple[str, ...]
+    lock: dict[str, str]  # package -> exact version, every package in the image
+
+    @classmethod
+    def load(cls, root: Path) -> Definition:
+        spec_file = root / "image.yml"
+        try:
+            spec = yaml.safe_load(spec_file.read_text())
+        except FileNotFoundError as e:
+            raise ImageError(f"{spec_file}: no image definition there") from e
+        lock = parse_lock((root / "packages.lock").read_text() if (root / "packages.lock").exists() else "")
+        return cls(
+            root=root,
+            name=spec["name"],
+            release=spec["release"],
+            arch=spec["arch"],
+            sources=tuple(spec["sources"]),
+            keyring=Path(spec["keyring"]),
+            key_fingerprints=tuple(spec["key_fingerprints"]),
+            source_date_epoch=int(spec["source_date_epoch"]),
+            filesystem_uuid=spec["filesystem_uuid"],
+            hash_seed=spec["hash_seed"],
+            size_mib=int(spec["size_mib"]),
+            packages=tuple(spec["packages"]),
+            lock=lock,
+        )
+
+
+def parse_lock(text: str) -> dict[str, str]:
+    """packages.lock: one `name=version` a line; `#` comments."""
+    lock: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("=")
+        if not sep or not name or not version:
+            raise ImageError(f"packages.lock: {raw!r} is not name=version")
+        lock[name] = version
+    return lock
+
+
+def format_lock(installed: dict[str, str]) -> str:
+    lines = ["# Every package in the image at its exact version; written by `kvlab testbed image --repin`."]
+    lines += [f"{n}={v}" for n, v in sorted(installed.items())]
+    return "\n".join(lines) + "\n"
+
+
+def definition_root(name: str = "testbed") -> Path:
+    return paths.repo_root() / "images" / name
+
+
+def tools_fingerprint() -> str:
+    """Versions of the host tools whose output ends up in the image."""
+    out = []
+    for cmd in HOST_TOOLS:
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            out.append((res.stdout + res.stderr).splitlines()[0] if (res.stdout + res.stderr) else cmd[0])
+        except FileNotFoundError:
+            out.append(f"{cmd[0]} missing")
+    return "\n".join(out)
+
+
+def input_hash(root: Path, tools: str | None = None) -> str:
+    """sha256 over the definition's files (path and content), this builder and the host tools."""
+    h = hashlib.sha256()
+    h.update(f"builder {BUILDER_VERSION}\n".encode())
+    files = sorted(p for p in [*root.rglob("*"), *(root.parent / "tools").rglob("*")] if p.is_file())
+    for p in files:
+        rel = p.relative_to(root.parent).as_posix()
+        h.update(f"{rel}\0{len(p.read_bytes())}\0".encode())
+        h.update(p.read_bytes())
+    h.update(Path(__file__).read_bytes())
+    h.update((tools if tools is not None else tools_fingerprint()).encode())
+    return h.hexdigest()[:16]
+
+
+def images_dir() -> Path:
+    return paths.cache_dir() / "images"
+
+
+def cached(root: Path) -> Path | None:
+    d = images_dir() / input_hash(root)
+    return d if (d / "manifest.json").exists() else None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def repin_command(root: Path) -> str:
+    rel = root.relative_to(paths.repo_root()) if root.is_relative_to(paths.repo_root()) else root
+    return f"kvlab testbed image --repin --definition {rel}   (then commit {rel}/packages.lock)"
+
+
+def _log(msg: str) -> None:
+    print(f"image: {msg}", file=sys.stderr, flush=True)
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def _pinned_keyring(defn: Definition, out: Path) -> Path:
+    """A keyring holding only the pinned release keys; fails if the host keyring lacks one."""
+    keyring = out / "release-keys.gpg"
+    home = out / "gnupg"
+    home.mkdir(mode=0o700)
+    res = subprocess.run(
+        ["gpg", "--homedir", str(home), "--no-default-keyring", "--keyring", str(defn.keyring),
+         "--export", *defn.key_fingerprints],
+        capture_output=True, check=False,
+    )
+    if res.returncode or not res.stdout:
+        raise ImageError(f"{defn.keyring}: cannot export the pinned release keys ({res.stderr.decode().strip()})")
+    listed = subprocess.run(
+        ["gpg", "--homedir", str(home), "--with-colons", "--show-keys"], input=res.stdout,
+        capture_output=True, check=True,
+    ).stdout.decode()
+    have = {line.split(":")[9] for line in listed.splitlines() if line.startswith("fpr:")}
+    missing = [f for f in defn.key_fingerprints if f not in have]
+    if missing:
+        raise ImageError(f"{defn.keyring}: release key(s) {', '.join(missing)} missing (install debian-archive-keyring)")
+    keyring.write_bytes(res.stdout)
+    shutil.rmtree(home)
+    return keyring
+
+
+def _mmdebstrap(defn: Definition, work: Path, rootfs: Path, include: list[str], env: dict[str, str]) -> None:
+    keyring = _pinned_keyring(defn, work)
+    cmd = [
+        "mmdebstrap", "--mode=root", "--variant=apt", f"--architectures={defn.arch}",
+        f"--keyring={keyring}", "--format=directory",
+        "--aptopt=Acquire::Languages \"none\"",
+        "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+        "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
+        f"--include={','.join(include)}",
+        f"--customize-hook=copy-in {defn.root / 'overlay'}/. /",
+        f"--customize-hook=chroot \"$1\" /bin/sh -eu < {defn.root / 'customize.sh'}",
+        "--customize-hook=chroot \"$1\" dpkg-query -W -f '${Package}=${Version}\\n' > \"$1/../installed.txt\"",
+        defn.release, str(rootfs), *defn.sources,
+    ]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    (work / "mmdebstrap.log").write_text(res.stdout + res.stderr)
+    if res.returncode:
+        tail = "\n".join((res.stdout + res.stderr).splitlines()[-15:])
+        gone = [ln for ln in tail.splitlines() if "was not found" in ln or "has no installation candidate" in ln]
+        if gone:
+            raise ImageError(
+                f"a pinned package version has left the mirror ({gone[0].strip()}); re-pin with:\n  "
+                + repin_command(defn.root)
+            )
+        raise ImageError(f"mmdebstrap failed (log {work / 'mmdebstrap.log'}):\n{tail}")
+
+
+def _normalize(rootfs: Path, epoch: int) -> None:
+    """Remove what differs between two builds or must not ship (keys, IDs, logs, caches)."""
+    for pattern in (
+        "var/log/**/*", "var/cache/apt/**/*", "var/lib/apt/lists/**/*", "var/cache/debconf/*-old",
+        "var/lib/dpkg/*-old", "var/cache/ldconfig/aux-cache", "var/lib/systemd/random-seed",
+        "etc/ssh/ssh_host_*", "etc/nvme/hostnqn", "etc/nvme/hostid", "var/lib/dbus/machine-id",
+        "etc/*-", "var/cache/man/**/*", "root/.bash_history", "tmp/*", "var/tmp/*",
+        "var/lib/systemd/catalog/database", "var/lib/initramfs-tools/*",
+    ):
+        for p in sorted(rootfs.glob(pattern), reverse=True):
+            if p.is_symlink() or p.is_file():
+                p.unlink()  # folders stay: services expect them
+    for pyc in sorted(rootfs.rglob("__pycache__")):
+        shutil.rmtree(pyc)
+    (rootfs / "etc/machine-id").write_text("")  # systemd writes a fresh one on first boot
+    # dpkg's and shadow's own times: clamp "last password change" to the epoch day
+    shadow = rootfs / "etc/shadow"
+    day = str(epoch // 86400)
+    rows = []
+    for line in shadow.read_text().splitlines():
+        f = line.split(":")
+        if len(f) > 2 and f[2]:
+            f[2] = day
+        rows.append(":".join(f))
+    shadow.write_text("\n".join(rows) + "\n")
+    os.chmod(shadow, 0o640)
+
+
+def _mkfs(defn: Definition, work: Path, rootfs: Path, disk: Path, env: dict[str, str]) -> None:
+    shim = work / "clamp_stat.so"
+    _run(["cc", "-shared", "-fPIC", "-O2", "-o", str(shim),
+          str(defn.root.parent / "tools" / "clamp_stat.c"), "-ldl"])
+    with disk.open("wb") as f:
+        f.truncate(defn.size_mib * 1024 * 1024)
+    mkfs_env = dict(env, LD_PRELOAD=str(shim), E2FSPROGS_FAKE_TIME=str(defn.source_date_epoch),
+                    MKE2FS_CONFIG=str(defn.root.parent / "tools" / "mke2fs.conf"))
+    _run(["mke2fs", "-q", "-F", "-t", "ext4", "-L", "kvlab-root", "-U", defn.filesystem_uuid,
+          "-E", f"hash_seed={defn.hash_seed},lazy_itable_init=0,lazy_journal_init=0,root_owner=0:0",
+          "-d", str(rootfs), str(disk)], env=mkfs_env)
+
+
+def build(defn: Definition, *, repin: bool = False) -> Path:
+    """Build the image into the cache (or, with repin, rewrite packages.lock from the mirror)."""
+    if not defn.lock and not repin:
+        raise ImageError(f"{defn.root}/packages.lock is empty; pin with:\n  {repin_command(defn.root)}")
+    digest = input_hash(defn.root)
+    images_dir().mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".build-{digest}-", dir=images_dir()))
+    env = dict(os.environ, SOURCE_DATE_EPOCH=str(defn.source_date_epoch), LC_ALL="C.UTF-8", TZ="UTC",
+               PYTHONHASHSEED="0")
+    try:
+        rootfs = work / "rootfs"
+        include = list(defn.packages) if repin else [f"{n}={v}" for n, v in sorted(defn.lock.items())]
+        _log(f"mmdebstrap {defn.release} with {len(include)} packages (log {work}/mmdebstrap.log)")
+        _mmdebstrap(defn, work, rootfs, include, env)
+        installed = parse_lock((work / "installed.txt").read_text())
+        if repin:
+            (defn.root / "packages.lock").write_text(format_lock(installed))
+            _log(f"wrote {defn.root}/packages.lock ({len(installed)} packages); build again to use it")
+            return defn.root / "packages.lock"
+        if installed != defn.lock:
+            extra = sorted(set(installed.items()) ^ set(defn.lock.items()))
+            raise ImageError(
+                f"the mirror resolved a different package set than packages.lock ({extra[:5]} …); re-pin with:\n  "
+                + repin_command(defn.root)
+            )
+        boot = rootfs / "boot"
+        kernels = sorted(boot.glob("vmlinuz-*"))
+        initrds = sorted(boot.glob("initrd.img-*"))
+        if len(kernels) != 1 or len(initrds) != 1:
+            raise ImageError(f"expected one kernel and one initrd in /boot, found {kernels + initrds}")
+        out = work / "out"
+        out.mkdir()
+        shutil.copyfile(kernels[0], out / "vmlinuz")
+        shutil.copyfile(initrds[0], out / "initrd.img")
+        _normalize(rootfs, defn.source_date_epoch)
+        _log("writing the ext4 root filesystem")
+        _mkfs(defn, work, rootfs, out / "disk.raw", env)
+        manifest = {
+            "name": defn.name,
+            "input_hash": digest,
+            "kernel": kernels[0].name.removeprefix("vmlinuz-"),
+            "sha256": {f: sha256_file(out / f) for f in IMAGE_FILES},
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        final = images_dir() / digest
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(out, final)
+        return final
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def manifest(image_dir: Path) -> dict:
+    return json.loads((image_dir / "manifest.json").read_text())
+
+
+def ensure(defn: Definition) -> Path:
+    """The cached image for this definition, built if missing."""
+    hit = cached(defn.root)
+    if hit:
+        return hit
+    _log(f"no cached image for inputs {input_hash(defn.root)}: building (a few minutes)")
+    return build(defn)

@@ -1,0 +1,204 @@
+"""The VM testbed: a storage target and a "GPU" node (no GPU), joined by an NVMe-oF fabric.
+
+`up` boots both from the cached image (building it when its inputs changed), target first
+because its end of the fabric link listens, writes an Ansible inventory for them, and records
+every PID in a state file; `down` stops exactly those PIDs; `status` reports each VM and the
+node's NVMe controllers as /sys/class/nvme shows them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import yaml
+
+from kvlab import paths
+from kvlab.testbed import image, vm
+from kvlab.testbed.status import CONTROLLERS_SCRIPT, parse_controllers
+
+TRANSPORTS = ("rdma", "tcp")
+
+MACHINES = (
+    vm.MachineSpec(name="target", mgmt_mac="52:54:00:6b:76:01", fabric_mac="52:54:00:6b:77:01",
+                   fabric_role="listen", data_disk_mib=2048),
+    vm.MachineSpec(name="node", mgmt_mac="52:54:00:6b:76:02", fabric_mac="52:54:00:6b:77:02",
+                   fabric_role="connect"),
+)  # fmt: skip
+GROUPS = {"target": "nvmeof_targets", "node": "nvmeof_initiators"}
+
+
+class TestbedError(Exception):
+    """A testbed that cannot be brought up or reached; one line naming the cause and the fix."""
+
+
+@dataclasses.dataclass
+class State:
+    name: str
+    transport: str
+    image_dir: str
+    fabric_port: int
+    key: str
+    machines: list[vm.MachineState]
+
+    def machine(self, name: str) -> vm.MachineState:
+        for m in self.machines:
+            if m.name == name:
+                return m
+        raise TestbedError(f"testbed {self.name} has no machine {name!r}")
+
+
+def state_root(name: str) -> Path:
+    return paths.state_dir() / "testbed" / name
+
+
+def load_state(name: str) -> State | None:
+    f = state_root(name) / "state.json"
+    if not f.exists():
+        return None
+    raw = json.loads(f.read_text())
+    raw["machines"] = [vm.MachineState(**m) for m in raw["machines"]]
+    return State(**raw)
+
+
+def save_state(state: State) -> None:
+    f = state_root(state.name) / "state.json"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
+
+
+def ensure_key(root: Path) -> Path:
+    key = root / "id_ed25519"
+    if not key.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvlab-testbed", "-f", str(key)],
+                       check=True)
+    return key
+
+
+def inventory(state: State) -> dict:
+    """The Ansible inventory of a running testbed (site values stay in group_vars/host_vars)."""
+    children: dict[str, dict] = {}
+    for m in state.machines:
+        children.setdefault(GROUPS[m.name], {"hosts": {}})["hosts"][m.name] = {"ansible_port": m.ssh_port}
+    return {
+        "all": {
+            "vars": {
+                "ansible_host": "127.0.0.1",
+                "ansible_user": "root",
+                "ansible_ssh_private_key_file": state.key,
+                "ansible_ssh_common_args": vm.SSH_COMMON_ARGS,
+                "ansible_python_interpreter": "/usr/bin/python3",
+                "testbed_transport": state.transport,
+            },
+            "children": children,
+        }
+    }
+
+
+def write_inventory(state: State, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# Written by `kvlab testbed up` for testbed {state.name!r}; not committed. Transport: {state.transport}.\n"
+    path.write_text(header + yaml.safe_dump(inventory(state), sort_keys=True))
+    return path
+
+
+def default_inventory_path() -> Path:
+    return paths.repo_root() / "inventories" / "testbed" / "hosts.yml"
+
+
+def running(state: State | None) -> bool:
+    return bool(state) and all(vm.pid_alive(m.pid) and vm.is_our_qemu(m.pid, Path(m.dir)) for m in state.machines)
+
+
+def up(
+    name: str = "default",
+    transport: str = "rdma",
+    inventory_path: Path | None = None,
+    boot_timeout: float = 300.0,
+    log=print,
+) -> State:
+    if transport not in TRANSPORTS:
+        raise TestbedError(f"transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
+    old = load_state(name)
+    if running(old):
+        assert old is not None
+        if old.transport != transport:
+            raise TestbedError(f"testbed {name} runs with transport {old.transport}; `kvlab testbed down` first")
+        write_inventory(old, inventory_path or default_inventory_path())
+        log(f"testbed {name} already up")
+        return old
+    if old:
+        down(name, log=lambda *_: None)
+    t0 = time.monotonic()
+    defn = image.Definition.load(image.definition_root())
+    image_dir = image.ensure(defn)
+    log(f"image {image_dir} ({time.monotonic() - t0:.0f} s)")
+    root = state_root(name)
+    key = ensure_key(root)
+    state = State(name=name, transport=transport, image_dir=str(image_dir), fabric_port=vm.free_port(),
+                  key=str(key), machines=[])
+    try:
+        for spec in MACHINES:
+            mdir = root / spec.name
+            # a fresh overlay each time: `up` starts from the image, as CI does
+            for stale in ("root.qcow2", "data0.raw"):
+                (mdir / stale).unlink(missing_ok=True)
+            m = vm.start(spec, image_dir, mdir, state.fabric_port, key.with_suffix(".pub"))
+            state.machines.append(m)
+            save_state(state)
+            if spec.fabric_role == "listen":
+                vm.wait_listening(state.fabric_port)
+        for m in state.machines:
+            waited = vm.wait_ssh(m, key, boot_timeout)
+            log(f"{m.name}: SSH on 127.0.0.1:{m.ssh_port} after {waited:.0f} s (console {m.console_log})")
+    except Exception:
+        down(name, log=lambda *_: None)
+        raise
+    write_inventory(state, inventory_path or default_inventory_path())
+    log(f"testbed {name} up in {time.monotonic() - t0:.0f} s; inventory {inventory_path or default_inventory_path()}")
+    return state
+
+
+def down(name: str = "default", log=print) -> None:
+    state = load_state(name)
+    if not state:
+        log(f"testbed {name}: nothing recorded")
+        return
+    for m in reversed(state.machines):
+        vm.stop(m)
+        log(f"{m.name}: stopped (pid {m.pid}); console log kept at {m.console_log}")
+    (state_root(name) / "state.json").unlink(missing_ok=True)
+
+
+def status(name: str = "default") -> dict:
+    state = load_state(name)
+    if not state:
+        return {"testbed": name, "up": False, "machines": []}
+    machines = []
+    for m in state.machines:
+        alive = vm.pid_alive(m.pid) and vm.is_our_qemu(m.pid, Path(m.dir))
+        entry: dict = {"name": m.name, "pid": m.pid, "running": alive, "ssh_port": m.ssh_port,
+                       "console_log": str(m.console_log), "group": GROUPS.get(m.name)}
+        if alive:
+            try:
+                res = vm.ssh(m, Path(state.key), CONTROLLERS_SCRIPT, timeout=30)
+                entry["reachable"] = res.returncode == 0
+                if res.returncode == 0:
+                    entry["nvme_controllers"] = parse_controllers(res.stdout)
+            except subprocess.TimeoutExpired:
+                entry["reachable"] = False
+        machines.append(entry)
+    node_ctrls = [c for m in machines for c in m.get("nvme_controllers", [])]
+    return {
+        "testbed": name,
+        "up": all(m["running"] for m in machines),
+        "transport": state.transport,
+        "transport_ok": bool(node_ctrls) and all(c["transport"] == state.transport for c in node_ctrls),
+        "image": state.image_dir,
+        "fabric_port": state.fabric_port,
+        "machines": machines,
+    }

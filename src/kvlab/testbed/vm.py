@@ -1,0 +1,242 @@
+"""One qemu VM of the testbed: its command line, its process (tracked by PID), SSH into it.
+
+Machines run under TCG (no KVM here), boot the image's kernel directly, write to a
+copy-on-write overlay of the cached image, and keep their serial console in a log that
+survives restarts. Management is qemu user-mode networking restricted to the host, with SSH
+forwarded on 127.0.0.1; the fabric is a qemu TCP socket link between the two VMs (MTU 9000).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+SSH_OPTS = (
+    "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
+    "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "-o", "ServerAliveInterval=5",
+)  # fmt: skip
+# Host keys are made on each VM's first boot, on loopback only: nothing to pin them against.
+SSH_COMMON_ARGS = " ".join(SSH_OPTS[:6])
+
+
+class VMError(Exception):
+    """A VM that did not start, boot or answer; the message says where its console log is."""
+
+
+@dataclasses.dataclass
+class MachineSpec:
+    name: str
+    mgmt_mac: str
+    fabric_mac: str
+    fabric_role: str  # "listen" or "connect"
+    memory_mib: int = 1024
+    cpus: int = 1
+    data_disk_mib: int = 0  # >0: a blank raw disk with serial kvlab-<name>-data0
+
+
+@dataclasses.dataclass
+class MachineState:
+    name: str
+    pid: int
+    ssh_port: int
+    dir: str
+
+    @property
+    def console_log(self) -> Path:
+        return Path(self.dir) / "console.log"
+
+    @property
+    def monitor(self) -> Path:
+        return Path(self.dir) / "monitor.sock"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def is_our_qemu(pid: int, machine_dir: Path) -> bool:
+    """The PID still belongs to the qemu we started (guards against PID reuse)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(cmdline) and b"qemu-system" in cmdline[0] and str(machine_dir).encode() in b" ".join(cmdline)
+
+
+def qemu_command(
+    spec: MachineSpec, image_dir: Path, machine_dir: Path, ssh_port: int, fabric_port: int, pubkey: Path
+) -> list[str]:
+    fabric = (
+        f"socket,id=fabric,listen=127.0.0.1:{fabric_port}"
+        if spec.fabric_role == "listen"
+        else f"socket,id=fabric,connect=127.0.0.1:{fabric_port}"
+    )
+    cmd = [
+        "qemu-system-x86_64", "-name", spec.name, "-nodefaults", "-no-user-config",
+        "-machine", "pc", "-accel", "tcg,tb-size=256", "-cpu", "max",
+        "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
+        "-display", "none", "-vga", "none",
+        "-kernel", str(image_dir / "vmlinuz"), "-initrd", str(image_dir / "initrd.img"),
+        "-append", f"root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 systemd.hostname={spec.name} "
+                   "panic=-1 systemd.show_status=auto",
+        "-drive", f"file={machine_dir / 'root.qcow2'},if=virtio,format=qcow2,cache=unsafe,discard=unmap",
+        "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22",
+        "-device", f"virtio-net-pci,netdev=mgmt,mac={spec.mgmt_mac}",
+        "-netdev", fabric,
+        "-device", f"virtio-net-pci,netdev=fabric,mac={spec.fabric_mac},host_mtu=9000",
+        "-fw_cfg", f"name=opt/kvlab/authorized_keys,file={pubkey}",
+        "-chardev", f"file,id=console,path={machine_dir / 'console.log'},append=on",
+        "-serial", "chardev:console",
+        "-monitor", f"unix:{machine_dir / 'monitor.sock'},server,nowait",
+        "-pidfile", str(machine_dir / "qemu.pid"),
+    ]  # fmt: skip
+    if spec.data_disk_mib:
+        cmd += ["-drive", f"file={machine_dir / 'data0.raw'},if=virtio,format=raw,cache=unsafe,"
+                          f"serial=kvlab-{spec.name}-data0"]
+    return cmd
+
+
+def prepare_disks(spec: MachineSpec, image_dir: Path, machine_dir: Path) -> None:
+    machine_dir.mkdir(parents=True, exist_ok=True)
+    overlay = machine_dir / "root.qcow2"
+    if not overlay.exists():
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(image_dir / "disk.raw"),
+             str(overlay)],
+            check=True,
+        )
+    data = machine_dir / "data0.raw"
+    if spec.data_disk_mib and not data.exists():
+        with data.open("wb") as f:
+            f.truncate(spec.data_disk_mib * 1024 * 1024)
+
+
+def start(spec: MachineSpec, image_dir: Path, machine_dir: Path, fabric_port: int, pubkey: Path) -> MachineState:
+    prepare_disks(spec, image_dir, machine_dir)
+    ssh_port = free_port()
+    cmd = qemu_command(spec, image_dir, machine_dir, ssh_port, fabric_port, pubkey)
+    (machine_dir / "qemu.cmd").write_text(shlex.join(cmd) + "\n")
+    with (machine_dir / "qemu.log").open("ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    time.sleep(0.5)
+    if proc.poll() is not None:
+        raise VMError(f"{spec.name}: qemu exited at once ({tail(machine_dir / 'qemu.log')})")
+    return MachineState(name=spec.name, pid=proc.pid, ssh_port=ssh_port, dir=str(machine_dir))
+
+
+def stop(state: MachineState, timeout: float = 20.0) -> None:
+    """Stop this VM's qemu by its PID: quit through the monitor, then SIGTERM, then SIGKILL."""
+    pid = state.pid
+    if not pid_alive(pid) or not is_our_qemu(pid, Path(state.dir)):
+        return
+    monitor(state, "quit")
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None and pid_alive(pid):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + timeout / 2
+        while time.monotonic() < deadline:
+            if not pid_alive(pid):
+                return
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.2)
+
+
+def monitor(state: MachineState, command: str, timeout: float = 5.0) -> str:
+    """One human-monitor command (e.g. `set_link fabric off`); returns its output."""
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(timeout)
+            s.connect(str(state.monitor))
+            s.recv(4096)  # banner and prompt
+            s.sendall(command.encode() + b"\n")
+            out = b""
+            try:
+                while not out.rstrip().endswith(b"(qemu)"):
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    out += chunk
+            except TimeoutError:
+                pass
+            return out.decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def ssh_base(state: MachineState, key: Path) -> list[str]:
+    return ["ssh", *SSH_OPTS, "-i", str(key), "-p", str(state.ssh_port), "root@127.0.0.1"]
+
+
+def ssh(state: MachineState, key: Path, command: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*ssh_base(state, key), command], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def wait_ssh(state: MachineState, key: Path, timeout: float) -> float:
+    """Wait until the VM answers over SSH; returns seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not pid_alive(state.pid):
+            raise VMError(f"{state.name}: qemu died (console {state.console_log}: {tail(state.console_log)})")
+        try:
+            if ssh(state, key, "true", timeout=15).returncode == 0:
+                return time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2)
+    raise VMError(f"{state.name}: no SSH after {timeout:.0f} s (console {state.console_log}: {tail(state.console_log)})")
+
+
+def listening(port: int) -> bool:
+    """Some socket listens on 127.0.0.1:port, read from /proc/net/tcp: probing with a connect
+    would become the peer of qemu's socket netdev."""
+    want = f"0100007F:{port:04X}"
+    try:
+        rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    return any(r.split()[1] == want and r.split()[3] == "0A" for r in rows)
+
+
+def wait_listening(port: int, timeout: float = 30.0) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if listening(port):
+            return
+        time.sleep(0.2)
+    raise VMError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s")
+
+
+def tail(path: Path, lines: int = 3) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return " | ".join(text[-lines:]) or "empty"

@@ -1,0 +1,92 @@
+"""NVMe-oF initiators: paths live over the expected transport, timeouts, mounts, O_DIRECT I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.infra
+testinfra_hosts = ["ansible://nvmeof_initiators"]
+
+CONTROLLERS = (
+    "for d in /sys/class/nvme/nvme*; do t=$(cat $d/transport); [ \"$t\" = pcie ] && continue; "
+    "printf '%s|%s|%s|%s|%s|%s|%s\\n' ${d##*/} $t \"$(cat $d/subsysnqn)\" \"$(cat $d/state)\" "
+    "\"$(cat $d/address | tr '\\n' ',')\" \"$(cat $d/ctrl_loss_tmo 2>/dev/null)\" \"$(cat $d/fast_io_fail_tmo 2>/dev/null)\"; done"
+)
+
+
+def controllers(host) -> list[dict]:
+    rows = []
+    for line in host.check_output(CONTROLLERS).splitlines():
+        name, transport, nqn, state, address, loss, fail = line.split("|")
+        rows.append({"name": name, "transport": transport, "subsysnqn": nqn, "state": state,
+                     "address": address, "ctrl_loss_tmo": loss, "fast_io_fail_tmo": fail})  # fmt: skip
+    return rows
+
+
+def expected_subsystems(inv) -> list[str]:
+    return sorted({nqn for t in inv["initiator_targets"] for nqn in t["subsystems"]})
+
+
+def test_every_subsystem_live(host, inv):
+    live = {c["subsysnqn"] for c in controllers(host) if c["state"] == "live"}
+    assert set(expected_subsystems(inv)) <= live, f"not live: {set(expected_subsystems(inv)) - live}"
+
+
+def test_paths_use_the_expected_transport_only(host, inv):
+    ours = [c for c in controllers(host) if c["subsysnqn"] in expected_subsystems(inv)]
+    assert ours
+    assert {c["transport"] for c in ours} == {inv["initiator_transport"]}, ours
+
+
+def test_paths_go_to_the_configured_targets(host, inv):
+    ours = [c for c in controllers(host) if c["subsysnqn"] in expected_subsystems(inv)]
+    addrs = {t["traddr"] for t in inv["initiator_targets"]}
+    for c in ours:
+        assert any(f"traddr={a}," in c["address"] + "," for a in addrs), c
+
+
+def test_timeouts_as_configured(host, inv):
+    for c in controllers(host):
+        if c["subsysnqn"] in expected_subsystems(inv):
+            assert c["ctrl_loss_tmo"] == str(inv["ctrl_loss_tmo"]), c
+            assert c["fast_io_fail_tmo"] == str(inv["fast_io_fail_tmo"]), c
+
+
+def test_native_multipath(host, inv):
+    want = "Y" if inv["multipath"] else "N"
+    assert host.file("/sys/module/nvme_core/parameters/multipath").content_string.strip() == want
+
+
+def test_reconnect_at_boot(host, inv):
+    assert host.service("nvmf-autoconnect").is_enabled
+    conf = host.file("/etc/nvme/discovery.conf").content_string
+    for t in inv["initiator_targets"]:
+        assert f"--transport={inv['initiator_transport']} --traddr={t['traddr']}" in conf
+    assert host.file("/etc/nvme/hostnqn").content_string.strip() == inv["initiator_hostnqn"]
+
+
+def test_namespaces_mounted_as_configured(host, inv):
+    assert inv["initiator_filesystems"], "no filesystem configured on an initiator"
+    for fs in inv["initiator_filesystems"]:
+        mp = host.mount_point(fs["path"])
+        assert mp.exists, f"{fs['path']} not mounted"
+        assert mp.filesystem == fs.get("fstype", "xfs")
+        for opt in fs.get("options", "noatime").split(","):
+            assert opt in mp.options
+        # the mount's device is the remote namespace with the configured UUID
+        dev = host.check_output(f"findmnt -no SOURCE {fs['path']}")
+        real = host.check_output(f"readlink -f /dev/disk/by-id/nvme-uuid.{fs['namespace_uuid']}")
+        assert host.check_output(f"readlink -f {dev}") == real
+        assert "_netdev" in host.file("/etc/fstab").content_string
+
+
+def test_o_direct_write_read_verified(host, inv):
+    for fs in inv["initiator_filesystems"]:
+        f = f"{fs['path']}/.kvlab-verify"
+        cmd = (
+            f"set -e; src=$(mktemp); head -c 16M /dev/urandom > $src; "
+            f"dd if=$src of={f} bs=1M oflag=direct conv=fsync status=none; "
+            f"a=$(sha256sum < $src); b=$(dd if={f} bs=1M iflag=direct status=none | sha256sum); "
+            f"rm -f $src {f}; [ \"$a\" = \"$b\" ] && echo verified"
+        )
+        assert host.check_output(cmd) == "verified"

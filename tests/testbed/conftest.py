@@ -1,0 +1,90 @@
+"""The testbed tier: two VMs from the cached image, provisioned by the real roles, then probed.
+
+Reads like a NixOS VM test: the session fixture declares the machines and starts them, tests
+call `succeed`, `fail`, `wait_for_unit` on them; a global timeout bounds the session, qemu is
+stopped by PID whatever happens, and the console logs stay for the failure report.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab import paths
+from kvlab.testbed import testbed as tb
+from kvlab.testbed.machine import Machine
+
+REPO = paths.repo_root()
+NAME = "pytest"
+
+
+def _missing() -> str | None:
+    for tool in ("qemu-system-x86_64", "qemu-img", "mmdebstrap", "mke2fs", "cc", "ssh", "ssh-keygen"):
+        if not shutil.which(tool):
+            return f"{tool} not installed (run scripts/testbed-deps)"
+    if os.geteuid() != 0:
+        return "the image build needs root (mmdebstrap --mode=root)"
+    if not (Path(sys.executable).parent / "ansible-playbook").exists():
+        return "ansible-playbook not in this environment (make setup)"
+    return None
+
+
+class Testbed:
+    def __init__(self, state: tb.State, inventory: Path):
+        self.state = state
+        self.inventory = inventory
+        self.machines = {m.name: Machine(m, Path(state.key)) for m in state.machines}
+        self.transport = state.transport
+
+    def __getattr__(self, name: str) -> Machine:
+        try:
+            return self.__dict__["machines"][name]
+        except KeyError as e:
+            raise AttributeError(name) from e
+
+    def ansible(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
+                   PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        return subprocess.run(
+            [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(self.inventory), *args],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+        )  # fmt: skip
+
+    def console_logs(self) -> str:
+        return "\n".join(f"  {m.name}: {m.console_log}" for m in self.machines.values())
+
+
+@pytest.fixture(scope="session")
+def testbed(tmp_path_factory) -> Testbed:
+    why = _missing()
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"testbed tier cannot run in CI: {why}")
+        pytest.skip(why)
+    transport = os.environ.get("KVLAB_TESTBED_TRANSPORT", "rdma")
+    inv_dir = tmp_path_factory.mktemp("inventory")
+    for sub in ("group_vars", "host_vars"):
+        (inv_dir / sub).symlink_to(REPO / "inventories" / "testbed" / sub)
+    inventory = inv_dir / "hosts.yml"
+    state = tb.up(NAME, transport=transport, inventory_path=inventory, log=lambda m: print(m, file=sys.stderr))
+    bed = Testbed(state, inventory)
+    try:
+        yield bed
+    finally:
+        tb.down(NAME, log=lambda m: print(m, file=sys.stderr))
+        print(f"testbed console logs:\n{bed.console_logs()}", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def deployed(testbed) -> subprocess.CompletedProcess:
+    """The storage fabric deployed once by the real playbook; later tests build on it."""
+    res = testbed.ansible("playbooks/storage.yml")
+    if res.returncode != 0:
+        pytest.fail(f"deploy failed (rc {res.returncode}):\n{res.stdout[-6000:]}\n{res.stderr[-2000:]}\n"
+                    f"console logs:\n{testbed.console_logs()}")
+    return res

@@ -1,0 +1,87 @@
+"""The testbed driver's pure parts: status parsing, inventory, image input hash, qemu command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvlab.testbed import image, status, testbed, vm
+
+pytestmark = pytest.mark.unit
+
+
+def test_parse_controllers_reads_transport_address_state():
+    text = (
+        "nvme0|rdma|traddr=10.77.0.1,trsvcid=4420,src_addr=10.77.0.2 |live|nqn.2026-01.io.kvlab.testbed:store0\n"
+        "garbage line\n"
+    )
+    [c] = status.parse_controllers(text)
+    assert c["transport"] == "rdma" and c["state"] == "live"
+    assert c["address"] == {"traddr": "10.77.0.1", "trsvcid": "4420", "src_addr": "10.77.0.2"}
+
+
+def _state(tmp_path: Path, transport: str = "rdma") -> testbed.State:
+    return testbed.State(
+        name="t", transport=transport, image_dir=str(tmp_path), fabric_port=4000, key=str(tmp_path / "k"),
+        machines=[vm.MachineState("target", 1, 2201, str(tmp_path / "target")),
+                  vm.MachineState("node", 2, 2202, str(tmp_path / "node"))],
+    )  # fmt: skip
+
+
+def test_inventory_puts_vms_in_fabric_groups_with_their_ports(tmp_path):
+    path = testbed.write_inventory(_state(tmp_path, "tcp"), tmp_path / "hosts.yml")
+    inv = yaml.safe_load(path.read_text())
+    assert inv["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["ansible_port"] == 2201
+    assert inv["all"]["children"]["nvmeof_initiators"]["hosts"]["node"]["ansible_port"] == 2202
+    assert inv["all"]["vars"]["testbed_transport"] == "tcp"
+    assert inv["all"]["vars"]["ansible_host"] == "127.0.0.1"
+
+
+def test_unknown_transport_is_refused():
+    with pytest.raises(testbed.TestbedError, match="transport"):
+        testbed.up("x", transport="roce-please")
+
+
+def _definition(root: Path) -> Path:
+    (root / "testbed").mkdir(parents=True)
+    (root / "tools").mkdir()
+    (root / "testbed" / "image.yml").write_text("name: x\n")
+    (root / "testbed" / "packages.lock").write_text("bash=5.2\n")
+    (root / "tools" / "mke2fs.conf").write_text("[defaults]\n")
+    return root / "testbed"
+
+
+def test_input_hash_is_stable_and_follows_every_input(tmp_path):
+    d = _definition(tmp_path)
+    h1 = image.input_hash(d, tools="t1")
+    assert image.input_hash(d, tools="t1") == h1
+    (d / "packages.lock").write_text("bash=5.3\n")
+    h2 = image.input_hash(d, tools="t1")
+    assert h2 != h1
+    assert image.input_hash(d, tools="t2") != h2  # a different mmdebstrap or mke2fs
+    (tmp_path / "tools" / "mke2fs.conf").write_text("[defaults]\nx\n")
+    assert image.input_hash(d, tools="t2") != h2
+
+
+def test_lock_round_trip_and_errors():
+    lock = {"bash": "5.2.37-2+b10", "linux-image-amd64": "6.12.118-1"}
+    assert image.parse_lock(image.format_lock(lock)) == lock
+    with pytest.raises(image.ImageError, match="name=version"):
+        image.parse_lock("bash\n")
+
+
+def test_real_definition_pins_every_package():
+    defn = image.Definition.load(image.definition_root())
+    assert defn.release == "trixie"
+    assert set(defn.packages) <= set(defn.lock), "a top-level package is missing from packages.lock"
+
+
+def test_qemu_command_uses_tcg_restricted_user_net_and_tcp_socket_fabric(tmp_path):
+    spec = testbed.MACHINES[1]
+    cmd = " ".join(vm.qemu_command(spec, tmp_path, tmp_path / "m", 2222, 4444, tmp_path / "k.pub"))
+    assert "tcg" in cmd and "restrict=on" in cmd and "hostfwd=tcp:127.0.0.1:2222-:22" in cmd
+    assert "socket,id=fabric,connect=127.0.0.1:4444" in cmd and "host_mtu=9000" in cmd
+    target = " ".join(vm.qemu_command(testbed.MACHINES[0], tmp_path, tmp_path / "m", 1, 4444, tmp_path / "k"))
+    assert "listen=127.0.0.1:4444" in target and "serial=kvlab-target-data0" in target
