@@ -1,0 +1,17 @@
+# The lab: render without hardware (plan), run campaigns on it (bench), check one GPU (gpu-check).
+.PHONY: plan bench gpu-check gpu-check-wheels
+
+plan: ## render every GPU/serving template for inventory=NAME's GPU nodes into build/plan/NAME (no host contacted)
+	scripts/plan $(inventory) build/plan/$(inventory)
+
+bench: setup ## run campaign=FILE on inventory=NAME's bench hosts and fetch results into results/runs/
+	@test -n "$(campaign)" || { echo "bench: give campaign=campaigns/<name>.yml"; exit 2; }
+	ANSIBLE_CONFIG=$(CURDIR)/ansible.cfg $(VENV)/bin/ansible-playbook -i inventories/$(inventory)/hosts.yml \
+	  playbooks/bench.yml -e bench_runner_campaign=$(abspath $(campaign)) $(ARGS)
+
+GPU_CHECK_WHEELS := .whl
+gpu-check-wheels: ## download the few wheels gpu-check brings to a GPU machine (cp312 manylinux x86_64) into .whl/
+	scripts/gpu-check-wheels $(GPU_CHECK_WHEELS)
+
+gpu-check: gpu-check-wheels ## one GPU: restore store objects into GPU memory through kvikio, byte for byte, GB/s vs a pinned copy
+	scripts/gpu-check --wheels $(GPU_CHECK_WHEELS)

@@ -1,0 +1,190 @@
+"""The lab and the embedded default start identical engine command lines for the same setup.
+
+Both come from kvlab's setup registry: on the lab the vllm_server role renders a systemd unit
+from it, here kvlab's engine control starts the rendered ProcessSpec. These tests render the
+role's units (scripts/plan, no host contacted) and compare them with what engine control
+would start, argument for argument and variable for variable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvlab import setups
+from kvlab.engine import EngineServer
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.unit
+
+# EngineParams fields the vllm_server role sets from its own variables (role var -> field).
+ROLE_FIELDS = {
+    "vllm_server_model_path": "model",
+    "vllm_server_served_model_name": "served_model_name",
+    "vllm_server_host": "host",
+    "vllm_server_port": "port",
+    "vllm_server_tensor_parallel_size": "tensor_parallel_size",
+    "vllm_server_enable_prefix_caching": "enable_prefix_caching",
+    "vllm_server_device": "device",
+    "vllm_server_kv_store_paths": "kv_store_paths",
+    "vllm_server_example_storage_path": "example_storage_path",
+}
+
+
+def run_plan(inventory: Path | str, out: Path, *extra: str) -> Path:
+    """scripts/plan into `out`; fails with ansible's output when it fails."""
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "plan"), str(inventory), str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (
+        f"scripts/plan {inventory} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    )
+    return out
+
+
+def systemd_split(value: str) -> list[str]:
+    """Split an ExecStart= value as systemd does for what the role writes (bare words and
+    double-quoted C-escaped words), then undo %- and $-doubling."""
+    words: list[str] = []
+    i, n = 0, len(value)
+    escapes = {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}
+    while i < n:
+        if value[i] == " ":
+            i += 1
+            continue
+        word = []
+        if value[i] == '"':
+            i += 1
+            while value[i] != '"':
+                if value[i] == "\\":
+                    word.append(escapes[value[i + 1]])
+                    i += 2
+                else:
+                    word.append(value[i])
+                    i += 1
+            i += 1
+        else:
+            while i < n and value[i] != " ":
+                word.append(value[i])
+                i += 1
+        words.append("".join(word).replace("%%", "%").replace("$$", "$"))
+    return words
+
+
+def read_unit(path: Path) -> dict[str, list[str]]:
+    """A unit file as {Key: [values...]} over all sections (comments dropped)."""
+    out: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if not line or line.startswith(("#", "[")):
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(key, []).append(value)
+    return out
+
+
+def unit_process(path: Path) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) a unit starts, as systemd reads them."""
+    unit = read_unit(path)
+    (exec_start,) = unit["ExecStart"]
+    env = dict(systemd_split(e)[0].split("=", 1) for e in unit.get("Environment", []))
+    return systemd_split(exec_start), env
+
+
+def role_vars_for(params: setups.EngineParams) -> dict:
+    """The vllm_server variables that make the role render `params` (the role's inverse)."""
+    fields = dataclasses.asdict(params)
+    role = {var: fields.pop(field) for var, field in ROLE_FIELDS.items()}
+    role["vllm_server_kv_store_paths"] = list(role["vllm_server_kv_store_paths"])
+    python = Path(fields.pop("python"))
+    assert python.name == "python" and python.parent.name == "bin", python
+    role["vllm_server_venv"] = str(python.parent.parent)
+    defaults = {
+        f.name: f.default
+        for f in dataclasses.fields(setups.EngineParams)
+        if f.default is not dataclasses.MISSING
+    }
+    role["vllm_server_engine_params"] = {
+        k: list(v) if isinstance(v, tuple) else v
+        for k, v in fields.items()
+        if k != "model" and v != defaults.get(k)
+    }
+    return role
+
+
+def embedded_params(tmp: Path) -> setups.EngineParams:
+    """The embedded default's shape: the CPU engine from this checkout's environment."""
+    venv_python = Path(sys.prefix) / "bin" / "python"
+    return setups.EngineParams(
+        model=str(tmp / "models" / "tiny"),
+        python=str(venv_python),
+        port=8123,
+        max_model_len=40960,
+        max_num_batched_tokens=8192,
+        device="cpu",
+        cpu_cores="0-1",
+        cpu_kv_cache_gib=2,
+        kv_store_paths=(str(tmp / "store" / "d0"), str(tmp / "store" / "d1")),
+        example_storage_path=str(tmp / "example"),
+    )
+
+
+def single_host_inventory(tmp: Path, params: setups.EngineParams, setups_: list[str]) -> Path:
+    """A one-node inventory (no NVIDIA device: the GPU roles stop, vllm_server renders)."""
+    inv = tmp / "inventory"
+    inv.mkdir()
+    host = {
+        "kvlab_plan_facts": {
+            "distribution": "Debian",
+            "distribution_major_version": "13",
+            "distribution_version": "13",
+        },
+        "nvidia_driver_plan_lspci": '00:02.0 "0300" "1234" "1111" -r02 "1af4" "1100"\n',
+        "vllm_server_setups": setups_,
+        "vllm_server_setup": setups_[0],
+        **role_vars_for(params),
+    }
+    (inv / "hosts.yml").write_text(
+        yaml.safe_dump({"all": {"children": {"gpu_nodes": {"hosts": {"embedded": host}}}}})
+    )
+    return inv
+
+
+@pytest.fixture(scope="module")
+def embedded_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, setups.EngineParams]:
+    tmp = tmp_path_factory.mktemp("embedded")
+    params = embedded_params(tmp)
+    names = [n for n, s in sorted(setups.REGISTRY.items()) if "cpu" in s.devices]
+    run_plan(single_host_inventory(tmp, params, names), tmp / "plan")
+    return tmp / "plan" / "embedded", params
+
+
+CPU_SETUPS = sorted(n for n, s in setups.REGISTRY.items() if "cpu" in s.devices)
+
+
+@pytest.mark.parametrize("name", CPU_SETUPS)
+def test_unit_starts_what_engine_control_starts(embedded_plan, name: str, tmp_path: Path) -> None:
+    """`make demo` (engine control) and the lab's unit: the same argv and environment."""
+    root, params = embedded_plan
+    argv, env = unit_process(root / f"etc/systemd/system/kvlab-vllm-{name}.service")
+    server = EngineServer(setups.render(name, params), tmp_path)
+    assert argv == list(server.engine.spec.argv)
+    assert env == server.engine.spec.env
+    if server.companion:
+        c_argv, c_env = unit_process(root / f"etc/systemd/system/kvlab-cache-{name}.service")
+        assert (c_argv, c_env) == (list(server.companion.spec.argv), server.companion.spec.env)
+
+
+@pytest.mark.parametrize("name", CPU_SETUPS)
+def test_rendered_deployment_is_the_registrys(embedded_plan, name: str) -> None:
+    root, params = embedded_plan
+    rendered = json.loads((root / f"etc/kvlab/setups/{name}.json").read_text())
+    assert rendered == json.loads(setups.render(name, params).to_json())
