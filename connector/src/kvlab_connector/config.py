@@ -1,0 +1,67 @@
+"""The connector's configuration (`kv_connector_extra_config`), validated at start.
+
+A wrong key or value stops the engine with one line that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    paths: tuple[str, ...]
+    capacity_bytes: int = 64 << 30
+    ring_bytes: int = 256 << 20
+    chunk_tokens: int = 512
+    io_threads: int = 8
+    load_timeout_s: float = 30.0
+    # How long a save may wait for a ring slot before it is dropped: 0 means never wait,
+    # so generation never waits on the drives.
+    save_slot_wait_s: float = 0.0
+    io_engine: str = "auto"  # auto | posix | gds
+    o_direct: str = "auto"  # auto | on | off
+    metrics_port: int | None = None
+    model_fingerprint: str | None = None  # override (e.g. a checkpoint's release hash)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}; "
+                f"valid keys are {', '.join(sorted(known))}"
+            )
+        if "paths" not in extra:
+            raise ConfigError("kv_connector_extra_config.paths is missing: give a list of directories, one per drive")
+        paths = extra["paths"]
+        if isinstance(paths, str) or not isinstance(paths, list | tuple) or not paths:
+            raise ConfigError("kv_connector_extra_config.paths must be a non-empty list of directories")
+        values = dict(extra, paths=tuple(str(p) for p in paths))
+        for name in ("capacity_bytes", "ring_bytes", "chunk_tokens", "io_threads"):
+            if name in values:
+                v = values[name]
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise ConfigError(f"kv_connector_extra_config.{name} must be a positive integer, got {v!r}")
+        for name in ("load_timeout_s", "save_slot_wait_s"):
+            if name in values:
+                v = values[name]
+                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
+                    raise ConfigError(f"kv_connector_extra_config.{name} must be a number of seconds >= 0, got {v!r}")
+        if values.get("io_engine", "auto") not in ("auto", "posix", "gds"):
+            raise ConfigError("kv_connector_extra_config.io_engine must be one of auto, posix, gds")
+        if values.get("o_direct", "auto") not in ("auto", "on", "off"):
+            raise ConfigError("kv_connector_extra_config.o_direct must be one of auto, on, off")
+        mp = values.get("metrics_port")
+        if mp is not None and (not isinstance(mp, int) or not 0 < mp < 65536):
+            raise ConfigError(f"kv_connector_extra_config.metrics_port must be a TCP port, got {mp!r}")
+        return cls(**values)
+
+    def o_direct_flag(self) -> bool | None:
+        return {"auto": None, "on": True, "off": False}[self.o_direct]

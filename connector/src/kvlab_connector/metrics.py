@@ -1,0 +1,61 @@
+"""Prometheus metrics of the connector, one registry per process.
+
+Served on `metrics_port` (scheduler and rank-0 worker share a process on a single-GPU or
+CPU engine; other ranks add their rank to the port). Without prometheus-client the
+counters still exist in the store's stats and in vLLM's connector stats.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] | None = None
+_served_ports: set[int] = set()
+
+
+def metrics() -> dict[str, Any] | None:
+    global _metrics
+    with _lock:
+        if _metrics is not None:
+            return _metrics
+        try:
+            from prometheus_client import Counter, Gauge, Histogram
+        except ImportError:
+            return None
+        _metrics = {
+            "hit_tokens": Counter("kvlab_hit_tokens", "prompt tokens found on the drives at lookup"),
+            "miss_tokens": Counter("kvlab_miss_tokens", "prompt tokens not found on the drives at lookup"),
+            "bytes_read": Counter("kvlab_read_bytes", "bytes read from the drives"),
+            "bytes_written": Counter("kvlab_written_bytes", "bytes written to the drives"),
+            "saves_dropped": Counter("kvlab_saves_dropped", "chunks not saved: ring or drives saturated"),
+            "load_errors": Counter("kvlab_load_error_blocks", "blocks reported to vLLM for recompute"),
+            "checksum_failures": Counter("kvlab_checksum_failures", "sections that failed verification"),
+            "evictions": Counter("kvlab_evictions", "objects evicted to hold the capacity"),
+            "io_latency": Histogram(
+                "kvlab_io_latency_seconds", "latency of one section's I/O",
+                buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+            ),
+            "io_mode": Gauge("kvlab_io_mode_info", "I/O mode in use", ["mode"]),
+            "ring_in_use": Gauge("kvlab_ring_slots_in_use", "staging ring slots in use"),
+        }
+        return _metrics
+
+
+def serve(port: int) -> None:
+    if metrics() is None:
+        return
+    with _lock:
+        if port in _served_ports:
+            return
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr="127.0.0.1")
+        _served_ports.add(port)
+
+
+def inc(name: str, value: float = 1) -> None:
+    m = metrics()
+    if m is not None and value:
+        m[name].inc(value)

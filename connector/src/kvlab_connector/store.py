@@ -1,0 +1,548 @@
+"""The on-drive object store: striped, checksummed, atomically committed, bounded.
+
+An object is the KV of one chunk of tokens: `n_sections` sections (one per layer) of
+`section_bytes` each. Sections are striped round-robin over the drives; the sections
+that land on one drive form that object's fragment file there:
+
+    <drive>/kvlab-v1/<namespace>/<key[:2]>/<key>.<fragment>-<fragments>.<bytes>
+
+(the size in the name lets the start-up rebuild count usage from directory listings alone,
+without a stat per file).
+
+Each section is stored as its payload (padded to a page) followed by a one-page trailer
+that carries the namespace, key, section index, length and an xxh3 checksum of the
+payload. Fragment files are written under temporary names and renamed into place once
+every section of the object is on the drives; an object exists only when all of its
+fragment files do. A reader verifies every section it reads: anything missing,
+truncated, or failing its checksum is a miss, never KV.
+
+Capacity: a usage ledger beside the lock file of the first drive counts committed bytes;
+a commit that crosses the capacity evicts least-recently-used objects (file mtime, which
+reads refresh) under an flock, so several processes share one bound.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from kvlab_connector.io_posix import PosixEngine, supports_o_direct
+from kvlab_connector.ring import PAGE, align_up
+
+ROOT_NAME = "kvlab-v1"
+MAGIC = b"KVLBSEC1"
+# magic, namespace, key, section, n_sections, payload_len, num_tokens, tag, payload xxh3
+_TRAILER = struct.Struct("<8s16s16sIIQIQQ")
+_TRAILER_CHECK = struct.Struct("<Q")
+_FRAGMENT_RE = re.compile(r"^([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)$")
+_TMP_RE = re.compile(r"^\.([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+\.tmp$")
+LOW_WATER = 0.9  # eviction frees down to this share of the capacity
+
+
+@dataclass(frozen=True)
+class ObjectShape:
+    """How an object is cut: `n_sections` sections of `section_bytes` payload each."""
+
+    n_sections: int
+    section_bytes: int
+
+    @property
+    def stride(self) -> int:
+        """Bytes one section takes on a drive and in a ring slot: payload + trailer page."""
+        return align_up(self.section_bytes) + PAGE
+
+    @property
+    def object_bytes(self) -> int:
+        return self.n_sections * self.stride
+
+
+@dataclass
+class StoreStats:
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_s: float = 0.0
+    write_s: float = 0.0
+    objects_written: int = 0
+    objects_read: int = 0
+    sections_failed: int = 0
+    checksum_failures: int = 0
+    missing: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    writes_aborted: int = 0
+    io_latency_s: list[float] = field(default_factory=list)
+
+    def note_latency(self, s: float) -> None:
+        # A bounded sample keeps the histogram's memory constant.
+        if len(self.io_latency_s) < 100_000:
+            self.io_latency_s.append(s)
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    objects: int
+    bytes: int
+    removed_partial: int
+    seconds: float
+    entries: list[tuple[float, int, str, str]]  # (mtime or 0, bytes, namespace, key)
+    paths: dict[str, list[str]]  # key -> its fragment files
+
+
+class Store:
+    """The drives of one store; thread-safe; any number of processes may share it."""
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike],
+        capacity_bytes: int,
+        io_threads: int = 8,
+        o_direct: bool | None = None,
+        engine: PosixEngine | None = None,
+    ):
+        if not paths:
+            raise ValueError("paths: give at least one directory (one per drive)")
+        self.drives = [Path(p) / ROOT_NAME for p in paths]
+        for d in self.drives:
+            d.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = int(capacity_bytes)
+        if o_direct is None:
+            self.o_direct = [supports_o_direct(d) for d in self.drives]
+        else:
+            self.o_direct = [o_direct] * len(self.drives)
+        self.engine = engine or PosixEngine(io_threads)
+        self.stats = StoreStats()
+        self._lock = threading.Lock()
+        self._meta = self.drives[0] / ".meta"
+        self._meta.mkdir(exist_ok=True)
+        self._lock_path = self._meta / "lock"
+        self._usage_path = self._meta / "usage"
+        self._pending_bytes = 0
+
+    @property
+    def io_mode(self) -> str:
+        if all(self.o_direct):
+            return "posix-odirect"
+        if any(self.o_direct):
+            return "posix-mixed"
+        return "posix-buffered"
+
+    # ---- naming -------------------------------------------------------------------
+    def n_fragments(self, shape: ObjectShape) -> int:
+        return min(len(self.drives), shape.n_sections)
+
+    def _first_fragment(self, key: str, nfrag: int) -> int:
+        return int(key[:8], 16) % nfrag
+
+    def placement(self, key: str, shape: ObjectShape, section: int) -> tuple[int, int]:
+        """(fragment index = drive index, byte offset in the fragment file) of a section."""
+        nfrag = self.n_fragments(shape)
+        frag = (section + self._first_fragment(key, nfrag)) % nfrag
+        return frag, (section // nfrag) * shape.stride
+
+    def fragment_bytes(self, key: str, shape: ObjectShape, frag: int) -> int:
+        nfrag = self.n_fragments(shape)
+        first = self._first_fragment(key, nfrag)
+        return sum(1 for s in range(shape.n_sections) if (s + first) % nfrag == frag) * shape.stride
+
+    def fragment_path(self, ns: str, key: str, shape: ObjectShape, frag: int) -> Path:
+        nfrag = self.n_fragments(shape)
+        return self.drives[frag] / ns / key[:2] / f"{key}.{frag}-{nfrag}.{self.fragment_bytes(key, shape, frag)}"
+
+    # ---- lookup ---------------------------------------------------------------------
+    def exists(self, ns: str, key: str, shape: ObjectShape) -> bool:
+        for f in range(self.n_fragments(shape)):
+            try:
+                os.stat(self.fragment_path(ns, key, shape, f))
+            except OSError:
+                return False
+        return True
+
+    def count_prefix(self, ns: str, keys: Sequence[str], shape: ObjectShape) -> int:
+        """How many leading keys exist on the drives."""
+        n = 0
+        for key in keys:
+            if not self.exists(ns, key, shape):
+                break
+            n += 1
+        return n
+
+    # ---- write ----------------------------------------------------------------------
+    def begin_write(self, ns: str, key: str, shape: ObjectShape, num_tokens: int, tag: int = 0) -> ObjectWriter:
+        return ObjectWriter(self, ns, key, shape, num_tokens, tag)
+
+    def _open_for(self, frag: int, path: Path, flags: int) -> int:
+        if self.o_direct[frag]:
+            flags |= os.O_DIRECT
+        return os.open(path, flags, 0o640)
+
+    # ---- read -----------------------------------------------------------------------
+    def open_object(self, ns: str, key: str, shape: ObjectShape) -> list[int] | None:
+        """File descriptors of the object's fragments, or None if any is missing."""
+        fds: list[int] = []
+        try:
+            for f in range(self.n_fragments(shape)):
+                fds.append(self._open_for(f, self.fragment_path(ns, key, shape, f), os.O_RDONLY))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            with self._lock:
+                self.stats.missing += 1
+            return None
+        return fds
+
+    def touch(self, ns: str, key: str, shape: ObjectShape) -> None:
+        """Mark an object as recently used (its first fragment's mtime orders eviction)."""
+        try:
+            os.utime(self.fragment_path(ns, key, shape, 0))
+        except OSError:
+            pass
+
+    def submit_read_section(
+        self, fds: Sequence[int], ns: str, key: str, shape: ObjectShape, section: int,
+        buf: memoryview, tag: int = 0,
+    ) -> Future[bool]:
+        """Read one section into buf (ring slot, shape.stride bytes); the Future says
+        whether it verified. buf[:section_bytes] then holds the payload."""
+        frag, offset = self.placement(key, shape, section)
+        t0 = time.perf_counter()
+        inner = self.engine.submit_read(fds[frag], buf[:shape.stride], offset)
+        out: Future[bool] = Future()
+
+        def done(fut: Future[int]) -> None:
+            try:
+                got = fut.result()
+                ok = got == shape.stride and self._verify(buf, ns, key, shape, section, tag)
+            except OSError:
+                ok = False
+            with self._lock:
+                dt = time.perf_counter() - t0
+                self.stats.note_latency(dt)
+                if ok:
+                    self.stats.bytes_read += shape.stride
+                    self.stats.read_s += dt
+                else:
+                    self.stats.sections_failed += 1
+            out.set_result(ok)
+
+        inner.add_done_callback(done)
+        return out
+
+    def _verify(self, buf: memoryview, ns: str, key: str, shape: ObjectShape, section: int, tag: int) -> bool:
+        pay = align_up(shape.section_bytes)
+        trailer = bytes(buf[pay:pay + _TRAILER.size + _TRAILER_CHECK.size])
+        try:
+            fields = _TRAILER.unpack_from(trailer)
+            (check,) = _TRAILER_CHECK.unpack_from(trailer, _TRAILER.size)
+        except struct.error:
+            return False
+        magic, t_ns, t_key, t_sec, t_n, t_len, _tokens, t_tag, t_sum = fields
+        if (
+            magic != MAGIC
+            or check != xxhash.xxh3_64_intdigest(trailer[:_TRAILER.size])
+            or t_ns != bytes.fromhex(ns)
+            or t_key != bytes.fromhex(key)
+            or t_sec != section
+            or t_n != shape.n_sections
+            or t_len != shape.section_bytes
+            or t_tag != tag
+        ):
+            return False
+        if xxhash.xxh3_64_intdigest(buf[:shape.section_bytes]) != t_sum:
+            with self._lock:
+                self.stats.checksum_failures += 1
+            return False
+        return True
+
+    # ---- capacity -------------------------------------------------------------------
+    def _with_lock(self, fn: Callable[[], object]) -> object:
+        with open(self._lock_path, "a+") as lf:
+            fcntl.flock(lf, fcntl.LOCK_EX)
+            try:
+                return fn()
+            finally:
+                fcntl.flock(lf, fcntl.LOCK_UN)
+
+    def _read_usage(self) -> int:
+        try:
+            return int(self._usage_path.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def _write_usage(self, n: int) -> None:
+        tmp = self._usage_path.with_name(f"usage.{os.getpid()}.tmp")
+        tmp.write_text(str(max(0, n)))
+        os.replace(tmp, self._usage_path)
+
+    def usage_bytes(self) -> int:
+        return self._read_usage()
+
+    def _account(self, nbytes: int) -> None:
+        # The shared ledger is updated under an flock; small commits are batched up to
+        # 1% of the capacity (at most 256 MiB), the slack by which processes may overrun it.
+        with self._lock:
+            self._pending_bytes += nbytes
+            if self._pending_bytes < min(self.capacity_bytes // 100, 256 << 20):
+                return
+            pending, self._pending_bytes = self._pending_bytes, 0
+
+        def update() -> None:
+            used = self._read_usage() + pending
+            if used > self.capacity_bytes:
+                used = self._evict_locked(int(self.capacity_bytes * LOW_WATER))
+            self._write_usage(used)
+
+        self._with_lock(update)
+
+    def flush_usage(self) -> None:
+        with self._lock:
+            pending, self._pending_bytes = self._pending_bytes, 0
+        if pending:
+            self._with_lock(lambda: self._write_usage(self._read_usage() + pending))
+
+    def _evict_locked(self, target: int) -> int:
+        scan = self._scan(clean=False, with_mtime=True)
+        used = scan.bytes
+        for _mtime, size, _ns, key in sorted(scan.entries):
+            if used <= target:
+                break
+            for p in scan.paths[key]:
+                _unlink(p)
+            used -= size
+            with self._lock:
+                self.stats.evictions += 1
+                self.stats.evicted_bytes += size
+        return used
+
+    def rebuild(self) -> ScanResult:
+        """Rebuild the index from the drives alone: count committed objects and bytes,
+        remove partial objects and temporary files of dead writers, reset the ledger."""
+
+        def run() -> ScanResult:
+            scan = self._scan(clean=True)
+            self._write_usage(scan.bytes)
+            return scan
+
+        return self._with_lock(run)  # type: ignore[return-value]
+
+    def _scan(self, clean: bool, with_mtime: bool = False) -> ScanResult:
+        """Walk the drives. Usage comes from the names alone; mtimes (for eviction order)
+        cost a stat per object and are read only when asked for."""
+        t0 = time.perf_counter()
+        # key -> [fragments seen, n fragments, bytes, namespace, paths]
+        seen: dict[str, list] = {}
+        removed = 0
+        now = time.time()
+        for drive in self.drives:
+            for ns_entry in _scandir(drive):
+                if ns_entry.name.startswith(".") or not ns_entry.is_dir():
+                    continue
+                for sub in _scandir(ns_entry.path):
+                    for e in _scandir(sub.path):
+                        name = e.name
+                        m = _FRAGMENT_RE.match(name)
+                        if m:
+                            rec = seen.get(m.group(1))
+                            if rec is None:
+                                rec = seen[m.group(1)] = [0, int(m.group(3)), 0, ns_entry.name, []]
+                            rec[0] += 1
+                            rec[2] += int(m.group(4))
+                            rec[4].append(e.path)
+                        elif clean and name.endswith(".tmp"):
+                            t = _TMP_RE.match(name)
+                            if t is None or not _pid_alive(int(t.group(5))) or now - _mtime(e.path) > 600:
+                                _unlink(e.path)
+                                removed += 1
+        entries = []
+        paths = {}
+        total = 0
+        for key, (count, nfrag, size, ns, files) in seen.items():
+            if count == nfrag:
+                mtime = 0.0
+                if with_mtime:
+                    first = next((p for p in files if p.rsplit("/", 1)[-1].startswith(f"{key}.0-")), files[0])
+                    mtime = _mtime(first)
+                entries.append((mtime, size, ns, key))
+                paths[key] = files
+                total += size
+            elif clean and now - max(_mtime(p) for p in files) > 60:
+                # A writer died between renames: the object was never complete.
+                for p in files:
+                    _unlink(p)
+                removed += 1
+        return ScanResult(len(entries), total, removed, time.perf_counter() - t0, entries, paths)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.flush_usage()
+
+
+def _scandir(path: str | os.PathLike) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ObjectWriter:
+    """Writes one object's sections as they come; commits when all are on the drives.
+
+    Sections may arrive in any order from any thread. `abort()` (or a failed section)
+    discards everything written; nothing becomes visible until `commit`."""
+
+    def __init__(self, store: Store, ns: str, key: str, shape: ObjectShape, num_tokens: int, tag: int):
+        self.store, self.ns, self.key, self.shape = store, ns, key, shape
+        self.num_tokens, self.tag = num_tokens, tag
+        self.nfrag = store.n_fragments(shape)
+        suffix = f"{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        self.final = [store.fragment_path(ns, key, shape, f) for f in range(self.nfrag)]
+        self.tmp = [p.with_name(f".{p.name}.{suffix}") for p in self.final]
+        self._fds: list[int] = []
+        self._pending = shape.n_sections
+        self._failed = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self.done: Future[bool] = Future()
+        try:
+            for f, p in enumerate(self.tmp):
+                p.parent.mkdir(parents=True, exist_ok=True)
+                self._fds.append(store._open_for(f, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+        except OSError:
+            self._fail()
+
+    def fill_trailer(self, section: int, buf: memoryview) -> None:
+        """Write the section's trailer into its slot after the payload."""
+        shape = self.shape
+        pay = align_up(shape.section_bytes)
+        checksum = xxhash.xxh3_64_intdigest(buf[:shape.section_bytes])
+        head = _TRAILER.pack(
+            MAGIC, bytes.fromhex(self.ns), bytes.fromhex(self.key), section, shape.n_sections,
+            shape.section_bytes, self.num_tokens, self.tag, checksum,
+        )
+        buf[pay:pay + _TRAILER.size] = head
+        buf[pay + _TRAILER.size:pay + _TRAILER.size + _TRAILER_CHECK.size] = _TRAILER_CHECK.pack(
+            xxhash.xxh3_64_intdigest(head)
+        )
+
+    def submit_section(self, section: int, buf: memoryview, on_done: Callable[[bool], None]) -> None:
+        """Checksum and write a section whose payload is in buf[:section_bytes];
+        on_done(ok) runs when the slot may be reused."""
+        if self._failed:
+            on_done(False)
+            return
+        store = self.store
+        self.fill_trailer(section, buf)
+        frag, offset = store.placement(self.key, self.shape, section)
+        t0 = time.perf_counter()
+        fut = store.engine.submit_write(self._fds[frag], buf[:self.shape.stride], offset)
+
+        def done(f: Future[int]) -> None:
+            try:
+                ok = f.result() == self.shape.stride
+            except OSError:
+                ok = False
+            dt = time.perf_counter() - t0
+            with store._lock:
+                store.stats.note_latency(dt)
+                if ok:
+                    store.stats.bytes_written += self.shape.stride
+                    store.stats.write_s += dt
+            on_done(ok)
+            self._section_done(ok)
+
+        fut.add_done_callback(done)
+
+    def _section_done(self, ok: bool) -> None:
+        with self._lock:
+            self._pending -= 1
+            if not ok:
+                self._failed = True
+            last = self._pending == 0
+        if last:
+            if self._failed:
+                self._fail()
+            else:
+                self._commit()
+
+    def abort(self, unsubmitted: int) -> None:
+        """Give up on this object (no ring slot for a section, say): `unsubmitted` sections
+        will never come. Sections in flight finish first; the last one discards it all."""
+        with self._lock:
+            self._failed = True
+            self._pending -= unsubmitted
+            last = self._pending == 0
+        if last:
+            self._fail()
+
+    def _close_fds(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _fail(self) -> None:
+        self._close_fds()
+        for p in self.tmp:
+            _unlink(str(p))
+        with self.store._lock:
+            self.store.stats.writes_aborted += 1
+        if not self.done.done():
+            self.done.set_result(False)
+
+    def _commit(self) -> None:
+        self._close_fds()
+        try:
+            # Fragment 0 last: its mtime orders eviction, and an object is complete only
+            # once every fragment is in place.
+            for f in range(self.nfrag - 1, -1, -1):
+                os.replace(self.tmp[f], self.final[f])
+        except OSError:
+            for p in self.tmp + self.final:
+                _unlink(str(p))
+            with self.store._lock:
+                self.store.stats.writes_aborted += 1
+            self.done.set_result(False)
+            return
+        with self.store._lock:
+            self.store.stats.objects_written += 1
+        self.store._account(self.shape.object_bytes)
+        self.done.set_result(True)

@@ -1,0 +1,309 @@
+"""The worker side: moves sections between the drives and vLLM's paged KV cache.
+
+Loads: `start_load_kv` hands every (layer, chunk) read to a feeder thread in layer
+order; each read lands in a ring slot, is verified, copied into the paged cache and the
+slot is given back. `wait_for_layer_load(layer)` waits for that layer only, so layer n
+computes while n+1 arrives. A section that is missing, fails verification or misses the
+deadline turns its chunk's blocks into load errors: vLLM recomputes them.
+
+Saves: `save_kv_layer` copies the layer's blocks of each complete chunk into a ring slot
+and queues the write; it never waits for a drive. No free slot: the chunk is dropped
+and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import zlib
+from typing import Any
+
+import torch
+
+from kvlab_connector import metrics
+from kvlab_connector.config import ConnectorConfig
+from kvlab_connector.layout import Layout
+from kvlab_connector.ring import RingFull, StagingRing
+from kvlab_connector.scheduler import ChunkIO, StepMetadata
+from kvlab_connector.store import ObjectWriter, Store
+
+log = logging.getLogger("vllm.kvlab_connector")
+
+
+class _Load:
+    """One step's loads: per-layer completion, errors, and a cancel switch."""
+
+    def __init__(self, chunks: list[ChunkIO], n_layers: int):
+        self.chunks = chunks
+        self.remaining = [len(chunks)] * n_layers
+        self.events = [threading.Event() for _ in range(n_layers)]
+        self.failed_chunks: set[int] = set()
+        self.cancelled = False
+        self.lock = threading.Lock()  # held while copying into the paged cache
+        for ev, n in zip(self.events, self.remaining, strict=True):
+            if n == 0:
+                ev.set()
+
+    def done_one(self, layer: int, chunk: int, ok: bool) -> None:
+        with self.lock:
+            if not ok:
+                self.failed_chunks.add(chunk)
+            self.remaining[layer] -= 1
+            if self.remaining[layer] == 0:
+                self.events[layer].set()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, layout: Layout, store: Store, rank: int):
+        self.config = config
+        self.layout = layout
+        self.store = store
+        self.rank = rank
+        self.ns = layout.namespace(rank)
+        # MLA: every rank holds the same KV; rank 0 alone writes the one copy.
+        self.saves_enabled = not (layout.mla and rank != 0)
+        self.shape = layout.shape
+        self.ring: StagingRing | None = None
+        self.kv: list[torch.Tensor] = []
+        self.layer_index: dict[str, int] = {}
+        self.blocks_dim = 0
+        self.tag = 0
+        self._load: _Load | None = None
+        self._load_deadline = 0.0
+        self._load_errors: set[int] = set()
+        self._writers: dict[str, tuple[ObjectWriter, int]] = {}
+        self.saves_dropped = 0
+        self.hit_blocks = 0
+
+    # ---- set-up ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        names = [n for n in self.layout.layer_names if n in kv_caches]
+        if len(names) != len(self.layout.layer_names):
+            missing = sorted(set(self.layout.layer_names) - set(kv_caches))
+            raise RuntimeError(f"kvlab connector: no KV tensor for layer(s) {missing}")
+        self.kv = [kv_caches[n] for n in names]
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        first = self.kv[0]
+        dims = [d for d, s in enumerate(first.shape) if s == num_blocks]
+        if not dims:
+            raise RuntimeError(f"kvlab connector: cannot find the block dimension in KV shape {tuple(first.shape)}")
+        self.blocks_dim = dims[0]
+        block_shape = list(first.shape)
+        del block_shape[self.blocks_dim]
+        block_bytes = first.element_size()
+        for s in block_shape:
+            block_bytes *= s
+        if block_bytes != self.layout.block_bytes:
+            raise RuntimeError(
+                f"kvlab connector: a block of layer {names[0]} holds {block_bytes} bytes, the KV spec says "
+                f"{self.layout.block_bytes}: unsupported KV layout"
+            )
+        self.block_shape = tuple(block_shape)
+        self.dtype = first.dtype
+        # The physical layout (shape, stride, dtype) tags every section: KV written in
+        # one layout is never read into another.
+        desc = f"{tuple(first.shape)}:{first.stride()}:{first.dtype}:{self.blocks_dim}".encode()
+        self.tag = zlib.crc32(desc)
+        self.ring = StagingRing(self.config.ring_bytes, self.shape.stride)
+        log.info(
+            "kvlab connector: %d layers, %d B sections, %d ring slots (%d MiB), io %s, drives %s",
+            len(self.kv), self.shape.section_bytes, self.ring.num_slots, self.ring.ring_bytes >> 20,
+            self.store.io_mode, [str(d) for d in self.store.drives],
+        )
+        m = metrics.metrics()
+        if m is not None:
+            m["io_mode"].labels(mode=self.store.io_mode).set(1)
+
+    def _slot_tensor(self, slot: int) -> torch.Tensor:
+        assert self.ring is not None
+        buf = self.ring.buffer(slot, self.shape.section_bytes)
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+        return t.view(self.layout.blocks_per_chunk, *self.block_shape)
+
+    def _block_index(self, ids: list[int]) -> tuple:
+        return (slice(None),) * self.blocks_dim + (torch.tensor(ids, dtype=torch.long),)
+
+    # ---- load -----------------------------------------------------------------------
+    def start_load(self, meta: StepMetadata) -> None:
+        self._finish_load()
+        if not meta.loads:
+            return
+        load = _Load(meta.loads, len(self.kv))
+        self._load = load
+        self._load_deadline = time.monotonic() + self.config.load_timeout_s
+        threading.Thread(target=self._feed, args=(load,), name="kvlab-load", daemon=True).start()
+
+    def _feed(self, load: _Load) -> None:
+        assert self.ring is not None
+        fds: dict[int, list[int] | None] = {}
+        for c, chunk in enumerate(load.chunks):
+            fds[c] = self.store.open_object(self.ns, chunk.key, self.shape)
+            if fds[c] is None:
+                for layer in range(len(self.kv)):
+                    load.done_one(layer, c, False)
+        pending = [0]
+        pending_lock = threading.Condition()
+        for layer in range(len(self.kv)):
+            for c, chunk in enumerate(load.chunks):
+                if fds[c] is None:
+                    continue
+                if load.cancelled or c in load.failed_chunks:
+                    load.done_one(layer, c, False)
+                    continue
+                try:
+                    slot = self.ring.acquire(timeout_s=max(0.0, self._load_deadline - time.monotonic()))
+                except RingFull:
+                    load.done_one(layer, c, False)
+                    continue
+                with pending_lock:
+                    pending[0] += 1
+                fut = self.store.submit_read_section(
+                    fds[c], self.ns, chunk.key, self.shape, layer, self.ring.buffer(slot), self.tag
+                )
+                fut.add_done_callback(
+                    lambda f, layer=layer, c=c, slot=slot: self._landed(load, layer, c, slot, f.result(), pending, pending_lock)
+                )
+        # Close the files once every read has landed.
+        with pending_lock:
+            while pending[0]:
+                pending_lock.wait()
+        for c, f in fds.items():
+            if f is not None:
+                for fd in f:
+                    os.close(fd)
+                if c not in load.failed_chunks:
+                    self.store.touch(self.ns, load.chunks[c].key, self.shape)
+
+    def _landed(self, load: _Load, layer: int, c: int, slot: int, ok: bool, pending: list[int], cv) -> None:  # type: ignore[no-untyped-def]
+        assert self.ring is not None
+        try:
+            if ok:
+                chunk = load.chunks[c]
+                sel = [j for j, b in enumerate(chunk.block_ids) if b >= 0]
+                ids = [chunk.block_ids[j] for j in sel]
+                with load.lock:
+                    # After a timeout the blocks belong to vLLM's recompute: hands off.
+                    if load.cancelled:
+                        ok = False
+                    else:
+                        src = self._slot_tensor(slot)[sel]
+                        self.kv[layer][self._block_index(ids)] = src.movedim(0, self.blocks_dim) if self.blocks_dim else src
+        except Exception:  # a failed copy is a failed load, never a crashed engine
+            log.exception("kvlab connector: copy into the KV cache failed")
+            ok = False
+        finally:
+            self.ring.release(slot)
+            load.done_one(layer, c, ok)
+            with cv:
+                pending[0] -= 1
+                cv.notify()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        load = self._load
+        if load is None:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            return
+        if not load.events[layer].wait(max(0.0, self._load_deadline - time.monotonic())):
+            log.warning("kvlab connector: layer %s not loaded within %.1f s: recomputing", layer_name, self.config.load_timeout_s)
+            self._fail_load(load, all_chunks=True)
+
+    def _fail_load(self, load: _Load, all_chunks: bool) -> None:
+        load.cancel()
+        with load.lock:
+            failed = set(range(len(load.chunks))) if all_chunks else set(load.failed_chunks)
+        for c in failed:
+            self._load_errors.update(b for b in load.chunks[c].block_ids if b >= 0)
+
+    def _finish_load(self) -> None:
+        """At the end of a step: every layer accounted for, failures reported."""
+        load = self._load
+        if load is None:
+            return
+        self._load = None
+        remaining = max(0.0, self._load_deadline - time.monotonic())
+        timed_out = not all(ev.wait(remaining) for ev in load.events)
+        self._fail_load(load, all_chunks=timed_out)
+        ok_chunks = len(load.chunks) - len(load.failed_chunks)
+        self.hit_blocks += sum(1 for c in load.chunks for b in c.block_ids if b >= 0) if ok_chunks else 0
+
+    def take_load_errors(self) -> set[int]:
+        self._finish_load()
+        errors, self._load_errors = self._load_errors, set()
+        if errors:
+            metrics.inc("load_errors", len(errors))
+            log.warning("kvlab connector: %d blocks failed to load; vLLM recomputes them", len(errors))
+        return errors
+
+    # ---- save -----------------------------------------------------------------------
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: StepMetadata) -> None:
+        if not meta.saves or not self.saves_enabled:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None or self.ring is None:
+            return
+        n_layers = len(self.kv)
+        for chunk in meta.saves:
+            entry = self._writers.get(chunk.key)
+            if entry is None:
+                if layer != 0:
+                    continue  # dropped at an earlier layer
+                writer = self.store.begin_write(self.ns, chunk.key, self.shape, self.layout.chunk_tokens, self.tag)
+                entry = (writer, 0)
+                self._writers[chunk.key] = entry
+            writer, submitted = entry
+            try:
+                slot = self.ring.acquire(timeout_s=self.config.save_slot_wait_s)
+            except RingFull:
+                writer.abort(n_layers - submitted)
+                self._writers[chunk.key] = (writer, -1)
+                self.saves_dropped += 1
+                metrics.inc("saves_dropped")
+                continue
+            if submitted < 0:
+                self.ring.release(slot)
+                continue
+            dst = self._slot_tensor(slot)
+            if self.blocks_dim == 0:
+                torch.index_select(kv_layer, 0, torch.tensor(chunk.block_ids, dtype=torch.long), out=dst)
+            else:
+                for j, b in enumerate(chunk.block_ids):
+                    dst[j].copy_(kv_layer.select(self.blocks_dim, b))
+            writer.submit_section(layer, self.ring.buffer(slot), lambda ok, slot=slot: self.ring.release(slot))
+            self._writers[chunk.key] = (writer, submitted + 1)
+
+    def end_step(self) -> None:
+        """After the forward: saves are queued (not waited for); loads accounted for."""
+        self._finish_load()
+        for writer, submitted in self._writers.values():
+            if 0 <= submitted < len(self.kv):
+                writer.abort(len(self.kv) - submitted)  # a layer never came: not an object
+        self._writers.clear()
+        if self.ring is not None:
+            m = metrics.metrics()
+            if m is not None:
+                m["ring_in_use"].set(self.ring.in_use)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.store.stats
+        return {
+            "io_mode": self.store.io_mode,
+            "bytes_read": s.bytes_read,
+            "bytes_written": s.bytes_written,
+            "objects_written": s.objects_written,
+            "checksum_failures": s.checksum_failures,
+            "sections_failed": s.sections_failed,
+            "saves_dropped": self.saves_dropped,
+            "writes_aborted": s.writes_aborted,
+            "evictions": s.evictions,
+            "ring_bytes": self.ring.ring_bytes if self.ring else 0,
+            "ring_high_water_slots": self.ring.high_water if self.ring else 0,
+        }
+

@@ -1,0 +1,230 @@
+"""`kvlab bench store|memory`: the connector's benchmarks, measured side by side in one run.
+
+store: the store's write and read GB/s against fio's O_DIRECT sequential limit on the
+same filesystem, interleaved repeat by repeat (medians), and the start-up index rebuild
+for 100K objects.
+
+memory: the engine's RSS with kvlab (a 1 GiB ring, a working set ten times the ring)
+minus the same engine without a connector, same workload, same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from kvlab import setups
+from kvlab.client import complete
+from kvlab.engine import EngineServer, drop_page_cache
+from kvlab.fio import BLOCK_SIZES, run_fio
+from kvlab.fio import cleanup as fio_cleanup
+from kvlab.model import TinyGeometry, ensure_tiny
+from kvlab.paths import state_dir
+
+
+def note(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- store ------------------------------------------------------------------------------
+def bench_store(work: Path, repeats: int, size_mib: int, small_objects: int) -> dict:
+    from kvlab_connector.bench import clear, make_small_objects, rebuild_seconds, run_store
+
+    drive = work / "drive"
+    fio_dir = work / "fio"
+    reads: list[float] = []
+    writes: list[float] = []
+    fio: dict[str, list[float]] = {f"{rw}-{bs}": [] for rw in ("read", "write") for bs in BLOCK_SIZES}
+    jobs: dict[str, dict] = {}
+    io_mode = ""
+    for r in range(repeats):
+        note(f"repeat {r + 1}/{repeats}: fio read/write ({', '.join(BLOCK_SIZES)}), then the store")
+        for rw in ("read", "write"):
+            for bs in BLOCK_SIZES:
+                res = run_fio(fio_dir, rw, bs, size_mib=size_mib)
+                fio[f"{rw}-{bs}"].append(res.gbps)
+                jobs[f"{rw}-{bs}"] = res.job
+        fio_cleanup(fio_dir)
+        run = run_store([drive], size_mib=size_mib, salt=r)
+        clear([drive])
+        writes.append(run.write_gbps)
+        reads.append(run.read_gbps)
+        io_mode = run.io_mode
+        note(f"  store write {run.write_gbps:.2f} GB/s, read {run.read_gbps:.2f} GB/s; "
+             f"fio read {max(fio[f'read-{bs}'][-1] for bs in BLOCK_SIZES):.2f}, "
+             f"write {max(fio[f'write-{bs}'][-1] for bs in BLOCK_SIZES):.2f} GB/s")
+    med = {k: statistics.median(v) for k, v in fio.items()}
+    read_limit = max(med[f"read-{bs}"] for bs in BLOCK_SIZES)
+    write_limit = max(med[f"write-{bs}"] for bs in BLOCK_SIZES)
+
+    note(f"index rebuild: writing {small_objects} small objects")
+    rebuild_dir = work / "rebuild"
+    shutil.rmtree(rebuild_dir, ignore_errors=True)
+    fill_s = make_small_objects([rebuild_dir], small_objects)
+    cold = drop_page_cache()
+    rebuild_s, found = rebuild_seconds([rebuild_dir])
+    shutil.rmtree(rebuild_dir, ignore_errors=True)
+    note(f"  rebuilt the index of {found} objects in {rebuild_s:.2f} s ({'cold' if cold else 'warm'} caches)")
+    return {
+        "schema": "kvlab.bench.store/1",
+        "repeats": repeats,
+        "size_mib": size_mib,
+        "io_mode": io_mode,
+        "store_read_gbps": statistics.median(reads),
+        "store_write_gbps": statistics.median(writes),
+        "fio_read_limit_gbps": read_limit,
+        "fio_write_limit_gbps": write_limit,
+        "read_ratio": statistics.median(reads) / read_limit,
+        "write_ratio": statistics.median(writes) / write_limit,
+        "index_rebuild_s_100k": rebuild_s * (100_000 / max(1, found)),
+        "index_rebuild_objects": found,
+        "index_rebuild_cold_cache": cold,
+        "small_objects_fill_s": fill_s,
+        "raw": {"store_read_gbps": reads, "store_write_gbps": writes, "fio_gbps": fio},
+        "fio_jobs": jobs,
+    }
+
+
+# ---- memory -----------------------------------------------------------------------------
+# A KV-heavier geometry than the demo's model, so that a working set ten times a 1 GiB
+# ring is reached in minutes on two cores: 128 KiB of KV per token.
+MEMORY_GEOMETRY = TinyGeometry(num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16,
+                               head_dim=128, hidden_size=256, intermediate_size=512)
+
+
+def _tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class RssSampler:
+    def __init__(self, pid: int, every_s: float = 0.5):
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic() - t0, _tree_rss(self.pid)))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak(self) -> int:
+        return max((r for _, r in self.samples), default=0)
+
+
+def bench_memory(work: Path, ring_bytes: int, working_set_factor: int, prompt_tokens: int, port: int) -> dict:
+    model = ensure_tiny(seed=0, geometry=MEMORY_GEOMETRY)
+    kv_per_token = MEMORY_GEOMETRY.kv_bytes_per_token
+    n_prompts = -(-working_set_factor * ring_bytes // (prompt_tokens * kv_per_token))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(16, MEMORY_GEOMETRY.vocab_size) for _ in range(prompt_tokens)] for _ in range(n_prompts)]
+    store = work / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    params = setups.EngineParams(
+        model=str(model), python=sys.executable, served_model_name="tiny", port=port,
+        max_model_len=prompt_tokens + 512, max_num_batched_tokens=prompt_tokens + 512, cpu_kv_cache_gib=2,
+        kv_store_paths=(str(store),), kv_ring_bytes=ring_bytes,
+        kv_store_capacity_bytes=2 * working_set_factor * ring_bytes,
+    )
+    result: dict = {"schema": "kvlab.bench.memory/1", "ring_bytes": ring_bytes, "prompts": n_prompts,
+                    "prompt_tokens": prompt_tokens, "kv_bytes_per_token": kv_per_token,
+                    "working_set_bytes": n_prompts * prompt_tokens * kv_per_token}
+    for setup in ("baseline", "kvlab"):
+        server = EngineServer(setups.render(setup, params), work / "logs")
+        try:
+            server.start(progress=True)
+            with RssSampler(server.engine.pid) as sampler:
+                idle = _tree_rss(server.engine.pid)
+                for i, p in enumerate(prompts):
+                    complete(server.base_url, "tiny", p)
+                    if (i + 1) % 10 == 0:
+                        note(f"{setup}: {i + 1}/{n_prompts} prompts, engine RSS {_tree_rss(server.engine.pid) / 2**30:.2f} GiB")
+                # Come back to the first prompts: restores through the ring (kvlab), recomputes (baseline).
+                for p in prompts[:8]:
+                    complete(server.base_url, "tiny", p)
+            result[setup] = {"peak_rss_bytes": sampler.peak, "idle_rss_bytes": idle,
+                             "timeline": sampler.samples[:: max(1, len(sampler.samples) // 200)]}
+            if setup == "kvlab":
+                m = server.metrics()
+                result[setup]["metrics"] = {k: v for k, v in m.items() if k.startswith("vllm:") and "kv" in k.lower()}
+        finally:
+            server.stop()
+    shutil.rmtree(store, ignore_errors=True)
+    result["extra_rss_bytes"] = result["kvlab"]["peak_rss_bytes"] - result["baseline"]["peak_rss_bytes"]
+    result["extra_over_ring"] = result["extra_rss_bytes"] / ring_bytes
+    return result
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="the connector's benchmarks (store throughput, memory bill)")
+    s = p.add_subparsers(dest="bench_command", required=True)
+    st = s.add_parser("store", help="store GB/s against fio's O_DIRECT limit, interleaved; index rebuild time")
+    st.add_argument("--repeats", type=int, default=5)
+    st.add_argument("--size-mib", type=int, default=1024)
+    st.add_argument("--small-objects", type=int, default=100_000)
+    st.add_argument("--workdir", type=Path, default=None)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_store)
+    me = s.add_parser("memory", help="extra engine RSS with kvlab (1 GiB ring, working set 10x) vs no connector")
+    me.add_argument("--ring-mib", type=int, default=1024)
+    me.add_argument("--factor", type=int, default=10, help="working set as a multiple of the ring")
+    me.add_argument("--prompt-tokens", type=int, default=2048)
+    me.add_argument("--port", type=int, default=8124)
+    me.add_argument("--workdir", type=Path, default=None)
+    me.add_argument("--json", action="store_true")
+    me.set_defaults(func=_memory)
+
+
+def _store(args: argparse.Namespace) -> int:
+    work = args.workdir or state_dir() / "bench-store"
+    res = bench_store(work, args.repeats, args.size_mib, args.small_objects)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"store read {res['store_read_gbps']:.2f} GB/s = {res['read_ratio']:.2f} x fio "
+              f"({res['fio_read_limit_gbps']:.2f}) (goal >= 0.95)")
+        print(f"store write {res['store_write_gbps']:.2f} GB/s = {res['write_ratio']:.2f} x fio "
+              f"({res['fio_write_limit_gbps']:.2f}) (goal >= 0.9)")
+        print(f"index rebuild, 100K objects: {res['index_rebuild_s_100k']:.2f} s (goal <= 5)")
+    return 0
+
+
+def _memory(args: argparse.Namespace) -> int:
+    work = args.workdir or state_dir() / "bench-memory"
+    res = bench_memory(work, args.ring_mib << 20, args.factor, args.prompt_tokens, args.port)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"working set {res['working_set_bytes'] / 2**30:.1f} GiB through a {res['ring_bytes'] / 2**30:.1f} GiB ring: "
+              f"extra engine RSS {res['extra_rss_bytes'] / 2**30:.2f} GiB = {res['extra_over_ring']:.2f} x ring (goal <= 1.2)")
+    return 0

@@ -1,0 +1,46 @@
+"""The `kvlab` command. Each area registers its own subcommands from its own module."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules with a `register(subparsers)` function; each adds its subcommands.
+COMMAND_MODULES = [
+    "kvlab.model",
+    "kvlab.setup_cli",
+    "kvlab.demo",
+    "kvlab.bench",
+    "kvlab.testbed.cli",
+]
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvlab.setups import SetupError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, SetupError) as e:
+        print(f"kvlab: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""`kvlab demo`: one long prompt restored by kvlab and by vLLM's ExampleConnector, side by side.
+
+For each setup the first request computes the prompt (recompute, and the save). Then, in
+interleaved repeats (the setups' order alternating), each setup's engine is started on a
+dropped page cache: the first request is the restore after a restart; the second is
+the engine's own prefix-cache hit (the floor); after a prefix-cache reset, the third is
+the restore on a warm engine. Both setups run with identical engine flags on the same
+cores. fio's O_DIRECT read limit is measured on the same filesystem in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvlab import setups
+from kvlab.client import complete
+from kvlab.engine import EngineServer, drop_page_cache
+from kvlab.fio import cleanup as fio_cleanup
+from kvlab.fio import fio_limit
+from kvlab.model import TinyGeometry, ensure_tiny
+from kvlab.paths import state_dir
+
+SETUPS = ("kvlab", "vllm-example")
+
+
+def note(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def prompt_ids(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, vocab) for _ in range(n)]
+
+
+@dataclass
+class Samples:
+    recompute: list[float] = field(default_factory=list)
+    prefix_hit: list[float] = field(default_factory=list)
+    warm_restore: list[float] = field(default_factory=list)
+    restart_restore: list[float] = field(default_factory=list)
+    restart_cached_tokens: list[int] = field(default_factory=list)
+    engine_start_s: list[float] = field(default_factory=list)
+
+    def medians(self) -> dict[str, float | None]:
+        def med(xs: list[float]) -> float | None:
+            return statistics.median(xs) if xs else None
+
+        return {
+            "recompute_ttft_s": med(self.recompute),
+            "prefix_hit_ttft_s": med(self.prefix_hit),
+            "warm_restore_ttft_s": med(self.warm_restore),
+            "restart_restore_ttft_s": med(self.restart_restore),
+        }
+
+
+def engine_params(model: Path, tokens: int, work: Path, port: int) -> setups.EngineParams:
+    # ExampleConnector saves and loads whole prompts only: every setup gets a batch that
+    # holds the whole prompt, so that the flags stay identical.
+    batch = max(tokens + 512, 8192)
+    return setups.EngineParams(
+        model=str(model),
+        python=sys.executable,
+        served_model_name="tiny",
+        port=port,
+        max_model_len=batch,
+        max_num_batched_tokens=batch,
+        cpu_kv_cache_gib=max(2, (tokens * TinyGeometry().kv_bytes_per_token * 2) // (1 << 30) + 1),
+        kv_store_paths=(str(work / "kvlab-store"),),
+        kv_ring_bytes=256 << 20,
+        example_storage_path=str(work / "example-store"),
+    )
+
+
+def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
+    model = ensure_tiny()
+    geometry = TinyGeometry()
+    work.mkdir(parents=True, exist_ok=True)
+    for d in ("kvlab-store", "example-store"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    params = engine_params(model, tokens, work, port)
+    prompt = prompt_ids(tokens, seed=1234, vocab=geometry.vocab_size)
+    samples = {s: Samples() for s in SETUPS}
+    logs = work / "logs"
+
+    note(f"fio: O_DIRECT sequential read limit on {work}")
+    read_gbps, fio_runs = fio_limit(work / "fio", "read")
+    fio_cleanup(work / "fio")
+    note(f"fio read limit {read_gbps:.2f} GB/s")
+
+    def life(setup: str, first: str) -> None:
+        deployment = setups.render(setup, params)
+        server = EngineServer(deployment, logs)
+        try:
+            if first == "restart":
+                dropped = drop_page_cache()
+                if not dropped:
+                    note("cannot drop the page cache (not root?): restart restores may read from RAM")
+            samples[setup].engine_start_s.append(server.start(progress=True))
+            c = complete(server.base_url, "tiny", prompt)
+            if first == "compute":
+                samples[setup].recompute.append(c.ttft_s)
+                note(f"{setup}: computed {tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
+                # Saves are asynchronous: give the last writes time to land on the drive.
+                time.sleep(3)
+                return
+            samples[setup].restart_restore.append(c.ttft_s)
+            samples[setup].restart_cached_tokens.append(c.cached_tokens or 0)
+            hit = complete(server.base_url, "tiny", prompt)
+            samples[setup].prefix_hit.append(hit.ttft_s)
+            server.reset_prefix_cache()
+            warm = complete(server.base_url, "tiny", prompt)
+            samples[setup].warm_restore.append(warm.ttft_s)
+            note(f"{setup}: restart {c.ttft_s:.3f} s (cached {c.cached_tokens}), prefix hit {hit.ttft_s:.3f} s, "
+                 f"warm restore {warm.ttft_s:.3f} s")
+        finally:
+            server.stop()
+
+    total = len(SETUPS) * (1 + repeats)
+    done = 0
+    for setup in SETUPS:
+        done += 1
+        note(f"[{done}/{total}] {setup}: compute and save the {tokens}-token prompt")
+        life(setup, "compute")
+    for r in range(repeats):
+        order = SETUPS if r % 2 == 0 else tuple(reversed(SETUPS))
+        for setup in order:
+            done += 1
+            note(f"[{done}/{total}] repeat {r + 1}/{repeats}: {setup}")
+            life(setup, "restart")
+
+    kv_bytes = tokens // 512 * 512 * geometry.kv_bytes_per_token
+    med = {s: samples[s].medians() for s in SETUPS}
+    k, e = med["kvlab"], med["vllm-example"]
+    recompute_all = samples["kvlab"].recompute + samples["vllm-example"].recompute
+    recompute = statistics.median(recompute_all)
+    drive_time = kv_bytes / (read_gbps * 1e9)
+    return {
+        "schema": "kvlab.demo/1",
+        "tokens": tokens,
+        "repeats": repeats,
+        "kv_bytes_per_token": geometry.kv_bytes_per_token,
+        "kv_bytes_restored": kv_bytes,
+        "fio_read_gbps": read_gbps,
+        "fio_jobs": [r.to_dict() for r in fio_runs],
+        "recompute_ttft_s": recompute,
+        "recompute_samples": len(recompute_all),
+        "setups": {s: {**med[s], "samples": len(samples[s].restart_restore),
+                       "restart_cached_tokens": samples[s].restart_cached_tokens,
+                       "raw": samples[s].__dict__} for s in SETUPS},
+        "restart_over_recompute": k["restart_restore_ttft_s"] / recompute,
+        "kvlab_over_example": k["restart_restore_ttft_s"] / e["restart_restore_ttft_s"],
+        "warm_kvlab_over_example": k["warm_restore_ttft_s"] / e["warm_restore_ttft_s"],
+        "restore_over_drive_limit": (k["restart_restore_ttft_s"] - k["prefix_hit_ttft_s"]) / drive_time,
+        "drive_limit_s": drive_time,
+        "io_mode": "posix-odirect",
+        "provenance": {"python": platform.python_version(), "machine": platform.machine(),
+                       "kernel": platform.release(), "engine_argv": list(setups.render("kvlab", params).engine.argv)},
+    }
+
+
+def table(result: dict) -> str:
+    rows = [
+        "| setup | recompute s | prefix hit s (floor) | warm restore s | restore after restart s | samples |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in result["setups"].items():
+        def f(v: float | None) -> str:
+            return "—" if v is None else f"{v:.3f}"
+
+        rows.append(f"| {name} | {f(s['recompute_ttft_s'])} | {f(s['prefix_hit_ttft_s'])} | "
+                     f"{f(s['warm_restore_ttft_s'])} | {f(s['restart_restore_ttft_s'])} | {s['samples']} |")
+    rows += [
+        "",
+        f"prompt {result['tokens']} tokens, {result['kv_bytes_restored'] / 2**20:.0f} MiB of KV restored; "
+        f"fio O_DIRECT read limit {result['fio_read_gbps']:.2f} GB/s → {result['drive_limit_s']:.3f} s for those bytes",
+        f"kvlab restart restore ÷ recompute        {result['restart_over_recompute']:.4f}  (goal ≤ 0.04)",
+        f"kvlab ÷ ExampleConnector (after restart) {result['kvlab_over_example']:.3f}  (goal ≤ 0.9)",
+        f"(kvlab restart − prefix hit) ÷ drive time {result['restore_over_drive_limit']:.3f}  (goal ≤ 1.25)",
+    ]
+    return "\n".join(rows)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="restore one long prompt: kvlab vs vLLM's ExampleConnector, side by side")
+    p.add_argument("--tokens", type=int, default=30721, help="prompt length (a chunk multiple + 1 is fair to both)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--workdir", type=Path, default=None, help="stores and logs (default: the user state folder)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    work = args.workdir or state_dir() / "demo"
+    result = run_demo(args.tokens, args.repeats, work, args.port)
+    (work / "demo-result.json").write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(table(result))
+    return 0

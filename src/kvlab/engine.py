@@ -1,0 +1,254 @@
+"""Engine control: start, stop and restart the processes of a rendered setup.
+
+Every process runs in its own session (process group) and is stopped by its PID and
+group, also when the caller fails. A process that dies before it is ready raises
+EngineError with the tail of its log, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvlab.setups import Deployment, ProcessSpec
+
+
+class EngineError(RuntimeError):
+    """An engine or cache server that died or never became ready."""
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+@dataclass
+class ManagedProcess:
+    """One started process, its log and its readiness check."""
+
+    name: str
+    spec: ProcessSpec
+    log_path: Path
+    popen: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def start(self) -> None:
+        if self.popen and self.popen.poll() is None:
+            raise EngineError(f"{self.name} is already running (pid {self.popen.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = os.environ.copy() | self.spec.env
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(self.spec.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                list(self.spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def wait_ready(self, timeout_s: float, progress: bool = False) -> float:
+        """Wait until the process serves; returns seconds waited."""
+        t0 = time.monotonic()
+        last_note = t0
+        while True:
+            if not self.alive():
+                code = self.popen.returncode if self.popen else None
+                raise EngineError(
+                    f"{self.name} exited with code {code} before it was ready; log {self.log_path}:\n"
+                    f"{log_tail(self.log_path)}"
+                )
+            if self._ready():
+                return time.monotonic() - t0
+            now = time.monotonic()
+            if now - t0 > timeout_s:
+                self.stop()
+                raise EngineError(
+                    f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
+            if progress and now - last_note > 15:
+                print(f"  … waiting for {self.name} ({now - t0:.0f} s)", flush=True)
+                last_note = now
+            time.sleep(0.25)
+
+    def _ready(self) -> bool:
+        if self.spec.ready_url:
+            try:
+                with urllib.request.urlopen(self.spec.ready_url, timeout=2) as r:
+                    return r.status == 200
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                return False
+        if self.spec.ready_port:
+            with socket.socket() as s:
+                s.settimeout(1)
+                return s.connect_ex(("127.0.0.1", self.spec.ready_port)) == 0
+        return True
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left; never leaves orphans."""
+        if self.popen is None:
+            return
+        pgid = self.popen.pid  # start_new_session: the group id is the leader's pid
+        if self.popen.poll() is None:
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Workers of the engine share the group: kill any that outlived the leader.
+        _signal_group(pgid, signal.SIGKILL)
+        try:
+            self.popen.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        _wait_group_gone(pgid, 10)
+        self.popen = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+
+
+class EngineServer:
+    """The engine of one deployment, with its companion cache server if it has one."""
+
+    def __init__(self, deployment: Deployment, log_dir: Path, ready_timeout_s: float = 600):
+        self.deployment = deployment
+        self.ready_timeout_s = ready_timeout_s
+        name = deployment.setup
+        self.engine = ManagedProcess(f"engine[{name}]", deployment.engine, log_dir / f"{name}.engine.log")
+        self.companion = (
+            ManagedProcess(f"cache-server[{name}]", deployment.companion, log_dir / f"{name}.cache-server.log")
+            if deployment.companion
+            else None
+        )
+        self.last_start_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        url = self.deployment.engine.ready_url or ""
+        return url.rsplit("/health", 1)[0]
+
+    def start(self, progress: bool = False) -> float:
+        t0 = time.monotonic()
+        try:
+            if self.companion and not self.companion.alive():
+                self.companion.start()
+                self.companion.wait_ready(self.ready_timeout_s, progress)
+            self.engine.start()
+            self.engine.wait_ready(self.ready_timeout_s, progress)
+        except BaseException:
+            self.stop()
+            raise
+        self.last_start_s = time.monotonic() - t0
+        return self.last_start_s
+
+    def stop(self) -> None:
+        self.engine.stop()
+        if self.companion:
+            self.companion.stop()
+
+    def restart(self, progress: bool = False, with_companion: bool | None = None) -> float:
+        """Restart the engine; the companion too unless it is meant to outlive the engine."""
+        if with_companion is None:
+            with_companion = not self.deployment.companion_survives_engine_restart
+        self.engine.stop()
+        if with_companion and self.companion:
+            self.companion.stop()
+        return self.start(progress)
+
+    def pids(self) -> dict[str, int | None]:
+        return {
+            "engine": self.engine.pid,
+            "cache_server": self.companion.pid if self.companion else None,
+        }
+
+    def reset_prefix_cache(self) -> None:
+        req = urllib.request.Request(self.base_url + "/reset_prefix_cache", method="POST", data=b"")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            if r.status != 200:
+                raise EngineError(f"reset_prefix_cache answered {r.status}")
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's Prometheus metrics as {name{labels}: value} (summed over nothing)."""
+        with urllib.request.urlopen(self.base_url + "/metrics", timeout=30) as r:
+            return parse_prometheus(r.read().decode())
+
+    def __enter__(self) -> EngineServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str) -> float:
+    """Sum a metric over all its label sets."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+@contextmanager
+def running(deployment: Deployment, log_dir: Path, progress: bool = False) -> Iterator[EngineServer]:
+    server = EngineServer(deployment, log_dir)
+    try:
+        server.start(progress)
+        yield server
+    finally:
+        server.stop()
+
+
+def drop_page_cache() -> bool:
+    """Drop the kernel's page cache so that a restore reads the drives; False if not allowed."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dump_json(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True)

@@ -1,0 +1,251 @@
+"""The one registry of setups: what each KV setup starts, with which flags and environment.
+
+A setup turns deployment parameters (model, port, drives, cores, ...) into the exact
+processes to run: the vLLM engine and, for some setups, a companion cache server.
+kvlab's engine control and the Ansible serving role both render from here
+(`kvlab setup render`), so the embedded default and the lab start identical command lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+# Every engine gets the same kv_load_failure_policy: a missing or corrupt object must be
+# recomputed, never fail the request (and kvlab's connector refuses to start otherwise).
+LOAD_FAILURE_POLICY = "recompute"
+
+
+@dataclass(frozen=True)
+class EngineParams:
+    """What a deployment supplies; the setup decides everything else."""
+
+    model: str
+    python: str = "python3"
+    served_model_name: str = "kvlab-model"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int = 65536
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    dtype: str = "float32"  # the tiny model's; lab inventories set bfloat16
+    device: str = "cpu"  # "cpu" (embedded default) or "cuda" (lab)
+    # CPU engine only: the cores every setup is pinned to, and its KV cache size.
+    cpu_cores: str | None = "0-1"
+    cpu_kv_cache_gib: int = 2
+    gpu_memory_utilization: float = 0.9
+    # kvlab's store: one path per drive, a capacity and the host staging ring.
+    kv_store_paths: tuple[str, ...] = ()
+    kv_store_capacity_bytes: int = 64 << 30
+    kv_ring_bytes: int = 256 << 20
+    kv_chunk_tokens: int = 512
+    kv_io_threads: int = 8
+    kv_load_timeout_s: float = 30.0
+    kv_metrics_port: int | None = None
+    # vLLM's ExampleConnector keeps one folder of safetensors files.
+    example_storage_path: str = ""
+    # Companion cache servers (LMCache MP) listen here.
+    cache_server_host: str = "127.0.0.1"
+    cache_server_port: int = 5555
+    cache_server_l1_gib: int = 4
+    cache_server_l2_path: str = ""
+    # The API key, where one is used, reaches vLLM as VLLM_API_KEY from the service's
+    # environment file: it never appears on a command line or in this registry.
+    extra_engine_args: tuple[str, ...] = ()
+
+    def with_(self, **changes: Any) -> EngineParams:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process to start: argv and the environment added to the caller's."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_url: str | None = None  # HTTP endpoint answering 200 once it serves
+    ready_port: int | None = None  # or a TCP port that accepts connections
+
+
+@dataclass(frozen=True)
+class Deployment:
+    setup: str
+    engine: ProcessSpec
+    kv_transfer_config: dict[str, Any] | None
+    companion: ProcessSpec | None = None
+    # The companion outlives engine restarts (a cache server in its own service).
+    companion_survives_engine_restart: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    description: str
+    # Where it can run: "cpu" setups run on the embedded default, "cuda" only in the lab.
+    devices: tuple[str, ...]
+    kv_transfer: Callable[[EngineParams], dict[str, Any] | None]
+    companion: Callable[[EngineParams], ProcessSpec | None] = lambda p: None
+    companion_survives_engine_restart: bool = False
+    extra_env: Callable[[EngineParams], dict[str, str]] = lambda p: {}
+    # Setups whose connector needs the whole prompt in one step (ExampleConnector).
+    needs_full_prompt_batch: bool = False
+
+    def render(self, params: EngineParams) -> Deployment:
+        if params.device not in self.devices:
+            raise SetupError(
+                f"setup {self.name!r} does not run on device {params.device!r}: "
+                f"it runs on {', '.join(self.devices)}"
+            )
+        kv = self.kv_transfer(params)
+        env = _engine_env(params) | self.extra_env(params)
+        argv = _engine_argv(params, kv)
+        engine = ProcessSpec(
+            argv=tuple(argv),
+            env=env,
+            ready_url=f"http://{params.host}:{params.port}/health",
+        )
+        return Deployment(
+            setup=self.name,
+            engine=engine,
+            kv_transfer_config=kv,
+            companion=self.companion(params),
+            companion_survives_engine_restart=self.companion_survives_engine_restart,
+        )
+
+
+class SetupError(ValueError):
+    """A setup name or parameter a user gave that cannot be rendered."""
+
+
+def _engine_env(p: EngineParams) -> dict[str, str]:
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        # /reset_prefix_cache is a dev-mode endpoint; the restore scenario needs it.
+        "VLLM_SERVER_DEV_MODE": "1",
+        "PYTHONHASHSEED": "0",
+    }
+    if p.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(p.cpu_kv_cache_gib)
+        if p.cpu_cores:
+            # vLLM CPU binds its worker to one core without a connector and to all with
+            # one: pin explicitly so that every setup computes on the same cores.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = p.cpu_cores
+    return env
+
+
+def _engine_argv(p: EngineParams, kv: dict[str, Any] | None) -> list[str]:
+    argv = [
+        p.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", p.model,
+        "--served-model-name", p.served_model_name,
+        "--host", p.host,
+        "--port", str(p.port),
+        "--dtype", p.dtype,
+        "--max-model-len", str(p.max_model_len),
+        "--tensor-parallel-size", str(p.tensor_parallel_size),
+        "--seed", "0",
+        "--uvicorn-log-level", "warning",
+        # cached_tokens in every response's usage: where a prompt's KV came from.
+        "--enable-prompt-tokens-details",
+    ]
+    argv.append("--enable-prefix-caching" if p.enable_prefix_caching else "--no-enable-prefix-caching")
+    if p.max_num_batched_tokens:
+        argv += ["--max-num-batched-tokens", str(p.max_num_batched_tokens)]
+    if p.max_num_seqs:
+        argv += ["--max-num-seqs", str(p.max_num_seqs)]
+    if p.enforce_eager:
+        argv.append("--enforce-eager")
+    if p.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(p.gpu_memory_utilization)]
+    if kv is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv, sort_keys=True, separators=(",", ":"))]
+    argv += list(p.extra_engine_args)
+    return argv
+
+
+def _kvlab_kv(p: EngineParams) -> dict[str, Any]:
+    if not p.kv_store_paths:
+        raise SetupError("setup 'kvlab' needs kv_store_paths: give one directory per drive")
+    extra: dict[str, Any] = {
+        "paths": list(p.kv_store_paths),
+        "capacity_bytes": p.kv_store_capacity_bytes,
+        "ring_bytes": p.kv_ring_bytes,
+        "chunk_tokens": p.kv_chunk_tokens,
+        "io_threads": p.kv_io_threads,
+        "load_timeout_s": p.kv_load_timeout_s,
+    }
+    if p.kv_metrics_port is not None:
+        extra["metrics_port"] = p.kv_metrics_port
+    return {
+        "kv_connector": "KvlabConnector",
+        "kv_connector_module_path": "kvlab_connector.vllm_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": LOAD_FAILURE_POLICY,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _example_kv(p: EngineParams) -> dict[str, Any]:
+    if not p.example_storage_path:
+        raise SetupError("setup 'vllm-example' needs example_storage_path: a folder for its files")
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": LOAD_FAILURE_POLICY,
+        "kv_connector_extra_config": {"shared_storage_path": p.example_storage_path},
+    }
+
+
+REGISTRY: dict[str, Setup] = {}
+
+
+def register(setup: Setup) -> Setup:
+    if setup.name in REGISTRY:
+        raise ValueError(f"setup {setup.name!r} registered twice")
+    REGISTRY[setup.name] = setup
+    return setup
+
+
+register(Setup(
+    name="baseline",
+    description="recompute every prompt; vLLM's own prefix cache only",
+    devices=("cpu", "cuda"),
+    kv_transfer=lambda p: None,
+))
+register(Setup(
+    name="kvlab",
+    description="kvlab's connector alone: KV on the drives, no DRAM tier",
+    devices=("cpu", "cuda"),
+    kv_transfer=_kvlab_kv,
+))
+register(Setup(
+    name="vllm-example",
+    description="vLLM's ExampleConnector (safetensors files on disk), a peer that runs everywhere",
+    devices=("cpu", "cuda"),
+    kv_transfer=_example_kv,
+    needs_full_prompt_batch=True,
+))
+
+
+def get(name: str) -> Setup:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise SetupError(
+            f"unknown setup {name!r}: choose one of {', '.join(sorted(REGISTRY))}"
+        ) from None
+
+
+def render(name: str, params: EngineParams) -> Deployment:
+    return get(name).render(params)

@@ -1,0 +1,120 @@
+"""One engine life for the engine tests: the real vLLM CPU engine in this process.
+
+Runs prompts through vLLM's offline engine with kvlab's connector, spies on the
+connector's step metadata (the real objects, not replacements) to learn which paged
+blocks each saved or loaded chunk occupies, and snapshots those blocks from the paged KV
+cache right after the step. Writes JSON (outputs, cached tokens, chunk keys, connector
+stats) and an .npz of the block bytes: chunk key -> [layers, blocks, bytes].
+
+    python probe.py --model M --store DIR --out OUT --rounds 2 [--salt S] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=2700)
+    ap.add_argument("--prompt-seed", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1, help="rounds, with a prefix-cache reset between them")
+    ap.add_argument("--salt", default=None)
+    ap.add_argument("--max-batched", type=int, default=1024, help="< prompt: chunked prefill")
+    ap.add_argument("--no-connector", action="store_true")
+    args = ap.parse_args()
+
+    os.environ.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"), PYTHONHASHSEED="0",
+    )
+    import numpy as np
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kv = None
+    if not args.no_connector:
+        kv = {
+            "kv_connector": "KvlabConnector",
+            "kv_connector_module_path": "kvlab_connector.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"paths": [args.store], "ring_bytes": 64 << 20, "chunk_tokens": 512},
+        }
+    llm = LLM(
+        model=args.model, enforce_eager=True, max_model_len=8192, kv_transfer_config=kv,
+        enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=args.max_batched,
+        seed=0,
+    )
+    core = llm.llm_engine.engine_core.engine_core
+    steps: list = []
+    if kv is not None:
+        connector = core.scheduler.connector
+        real_build = connector.build_connector_meta
+
+        def spy(scheduler_output):  # type: ignore[no-untyped-def]
+            meta = real_build(scheduler_output)
+            steps.append(meta.step)
+            return meta
+
+        connector.build_connector_meta = spy
+
+    def snapshot(block_ids: list[int]) -> np.ndarray:
+        def read(worker):  # type: ignore[no-untyped-def]
+            ids = torch.tensor(block_ids, dtype=torch.long)
+            return [kv_layer[ids].contiguous().view(torch.uint8).reshape(len(block_ids), -1).numpy().copy()
+                    for kv_layer in worker.model_runner.kv_caches]
+
+        return np.stack(core.model_executor.collective_rpc(read)[0])  # [layers, blocks, bytes]
+
+    rng = random.Random(args.prompt_seed)
+    tokens = [rng.randrange(10, 8000) for _ in range(args.tokens)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    result: dict = {"rounds": []}
+    arrays: dict[str, np.ndarray] = {}
+    for r in range(args.rounds):
+        steps.clear()
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if args.salt:
+            prompt["cache_salt"] = args.salt
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        saved = [c for s in steps for c in s.saves]
+        loaded = [c for s in steps for c in s.loads]
+        for kind, chunks in (("save", saved), ("load", loaded)):
+            for c in chunks:
+                ids = [b for b in c.block_ids if b >= 0]
+                arrays[f"r{r}-{kind}-{c.key}"] = snapshot(ids)
+        result["rounds"].append({
+            "output": list(out.outputs[0].token_ids),
+            "num_cached_tokens": out.num_cached_tokens,
+            "saved": [c.key for c in saved],
+            "loaded": [c.key for c in loaded],
+        })
+        llm.reset_prefix_cache()
+    if kv is not None:
+        def stats(worker):  # type: ignore[no-untyped-def]
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            return get_kv_transfer_group()._worker.stats()
+
+        # Saves are asynchronous: let the last writes land before reading the counters.
+        import time
+
+        time.sleep(1.0)
+        result["stats"] = core.model_executor.collective_rpc(stats)[0]
+    np.savez(args.out + ".npz", **arrays)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

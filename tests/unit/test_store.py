@@ -1,0 +1,255 @@
+"""The on-drive store: round trip, striping, corruption, torn writes, capacity, processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlab_connector.ring import StagingRing
+from kvlab_connector.store import ObjectShape, Store
+
+NS = "ab" * 16
+SHAPE = ObjectShape(n_sections=4, section_bytes=3 * 4096 + 100)  # not page-aligned on purpose
+
+
+def key(i: int) -> str:
+    return f"{i:032x}"
+
+
+def payload(i: int, s: int) -> bytes:
+    return np.random.default_rng(i * 1000 + s).integers(0, 256, SHAPE.section_bytes, dtype=np.uint8).tobytes()
+
+
+def put(store: Store, ring: StagingRing, i: int) -> bool:
+    w = store.begin_write(NS, key(i), SHAPE, num_tokens=512)
+    for s in range(SHAPE.n_sections):
+        slot = ring.acquire(timeout_s=10)
+        buf = ring.buffer(slot)
+        buf[:SHAPE.section_bytes] = payload(i, s)
+        w.submit_section(s, buf, lambda ok, slot=slot: ring.release(slot))
+    return w.done.result(timeout=30)
+
+
+def get(store: Store, ring: StagingRing, i: int) -> list[bytes | None]:
+    fds = store.open_object(NS, key(i), SHAPE)
+    if fds is None:
+        return [None] * SHAPE.n_sections
+    out = []
+    try:
+        for s in range(SHAPE.n_sections):
+            slot = ring.acquire(timeout_s=10)
+            try:
+                ok = store.submit_read_section(fds, NS, key(i), SHAPE, s, ring.buffer(slot)).result(timeout=30)
+                out.append(bytes(ring.buffer(slot, SHAPE.section_bytes)) if ok else None)
+            finally:
+                ring.release(slot)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return out
+
+
+@pytest.fixture
+def ring() -> StagingRing:
+    return StagingRing(8 * SHAPE.stride, SHAPE.stride)
+
+
+def test_round_trip(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
+    assert put(store, ring, 1)
+    assert store.exists(NS, key(1), SHAPE)
+    assert get(store, ring, 1) == [payload(1, s) for s in range(SHAPE.n_sections)]
+    assert not store.exists(NS, key(2), SHAPE)
+
+
+def test_sections_are_striped_over_every_drive(tmp_path: Path, ring: StagingRing) -> None:
+    drives = [tmp_path / f"d{i}" for i in range(3)]
+    store = Store(drives, capacity_bytes=1 << 30)
+    for i in range(6):
+        assert put(store, ring, i)
+    for d in drives:
+        frags = list((d / "kvlab-v1" / NS).rglob("*-3.*"))
+        assert len(frags) == 6, f"{d} holds {len(frags)} fragments"
+    assert all(get(store, ring, i) == [payload(i, s) for s in range(4)] for i in range(6))
+
+
+def fragment_files(tmp_path: Path, i: int) -> list[Path]:
+    return sorted(tmp_path.rglob(f"{key(i)}.*"))
+
+
+def test_flipped_byte_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
+    assert put(store, ring, 1)
+    f = fragment_files(tmp_path, 1)[0]
+    data = bytearray(f.read_bytes())
+    data[SHAPE.stride + 17] ^= 0x40  # inside section 1's payload
+    f.write_bytes(bytes(data))
+    got = get(store, ring, 1)
+    assert got[0] == payload(1, 0) and got[1] is None
+    assert store.stats.checksum_failures == 1
+
+
+def test_truncated_fragment_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
+    assert put(store, ring, 1)
+    f = fragment_files(tmp_path, 1)[0]
+    os.truncate(f, SHAPE.stride * 2 + 4096)
+    got = get(store, ring, 1)
+    assert got[:2] == [payload(1, 0), payload(1, 1)] and got[2] is None and got[3] is None
+
+
+def test_section_swapped_between_objects_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
+    assert put(store, ring, 1) and put(store, ring, 2)
+    a, b = fragment_files(tmp_path, 1)[0], fragment_files(tmp_path, 2)[0]
+    b.write_bytes(a.read_bytes())  # valid checksums, wrong key
+    assert get(store, ring, 2) == [None] * 4
+
+
+def test_vanished_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
+    import shutil
+
+    drives = [tmp_path / "d0", tmp_path / "d1"]
+    store = Store(drives, capacity_bytes=1 << 30)
+    assert put(store, ring, 1)
+    shutil.rmtree(drives[1])  # the path is gone, as after an unmount of its drive
+    assert not store.exists(NS, key(1), SHAPE)
+    assert get(store, ring, 1) == [None] * 4
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach and unmount a loop device")
+def test_unmounted_loop_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
+    img, mnt = tmp_path / "drive.img", tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
+    if subprocess.run(["mount", "-o", "loop", str(img), str(mnt)]).returncode != 0:
+        pytest.skip("this kernel refuses loop mounts here")
+    try:
+        store = Store([tmp_path / "d0", mnt], capacity_bytes=1 << 30)
+        assert put(store, ring, 1)
+        assert get(store, ring, 1) == [payload(1, s) for s in range(4)]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+    assert not store.exists(NS, key(1), SHAPE)
+    assert get(store, ring, 1) == [None] * 4
+
+
+def test_capacity_bound_holds_under_ten_times_the_working_set(tmp_path: Path, ring: StagingRing) -> None:
+    capacity = 10 * SHAPE.object_bytes
+    store = Store([tmp_path / "d0", tmp_path / "d1"], capacity_bytes=capacity)
+    for i in range(100):
+        assert put(store, ring, i)
+        assert store.usage_bytes() <= capacity
+    scan = store.rebuild()
+    assert scan.bytes <= capacity
+    assert store.stats.evictions >= 85
+    # The newest objects survive; the oldest went first.
+    assert store.exists(NS, key(99), SHAPE) and not store.exists(NS, key(0), SHAPE)
+
+
+def test_reads_refresh_recency(tmp_path: Path, ring: StagingRing) -> None:
+    capacity = 4 * SHAPE.object_bytes
+    store = Store([tmp_path / "d0"], capacity_bytes=capacity)
+    for i in range(4):
+        assert put(store, ring, i)
+        time.sleep(0.02)
+    assert get(store, ring, 0)[0] is not None
+    store.touch(NS, key(0), SHAPE)
+    time.sleep(0.02)
+    assert put(store, ring, 4)  # crosses the capacity: evicts the least recently used
+    assert store.exists(NS, key(0), SHAPE) and not store.exists(NS, key(1), SHAPE)
+
+
+WRITER = r"""
+import sys, time
+sys.path[:0] = {paths!r}
+from kvlab_connector.ring import StagingRing
+from kvlab_connector.store import ObjectShape, Store
+shape = ObjectShape({n}, {b})
+store = Store([{d!r}], capacity_bytes=1 << 34)
+ring = StagingRing(2 * shape.stride, shape.stride)
+w = store.begin_write({ns!r}, "{k}", shape, num_tokens=1)
+for s in range(shape.n_sections - 1):
+    slot = ring.acquire(timeout_s=5)
+    ring.buffer(slot)[:shape.section_bytes] = bytes([s]) * shape.section_bytes
+    w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: ring.release(slot))
+print("written", flush=True)
+time.sleep(60)  # killed here, one section short of a commit
+"""
+
+
+def test_kill_9_mid_save_leaves_no_readable_object(tmp_path: Path, ring: StagingRing) -> None:
+    d = tmp_path / "d0"
+    code = WRITER.format(paths=sys.path, n=SHAPE.n_sections, b=SHAPE.section_bytes, d=str(d), ns=NS, k=key(7))
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "written"
+        time.sleep(0.3)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    store = Store([d], capacity_bytes=1 << 30)
+    assert not store.exists(NS, key(7), SHAPE)
+    assert get(store, ring, 7) == [None] * 4
+    assert list(d.rglob("*.tmp")), "the dead writer's temporary file should be there before the rebuild"
+    scan = store.rebuild()
+    assert scan.objects == 0 and scan.removed_partial >= 1
+    assert not list(d.rglob("*.tmp"))
+
+
+def test_rebuild_counts_committed_objects(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0", tmp_path / "d1"], capacity_bytes=1 << 30)
+    for i in range(5):
+        assert put(store, ring, i)
+    fresh = Store([tmp_path / "d0", tmp_path / "d1"], capacity_bytes=1 << 30)
+    scan = fresh.rebuild()
+    assert scan.objects == 5
+    assert scan.bytes == 5 * SHAPE.object_bytes
+    assert fresh.usage_bytes() == scan.bytes
+
+
+def _proc_writer(drives: list[str], start: int, count: int, q: mp.Queue) -> None:
+    store = Store(drives, capacity_bytes=6 * SHAPE.object_bytes)
+    ring = StagingRing(4 * SHAPE.stride, SHAPE.stride)
+    ok = all(put(store, ring, i) for i in range(start, start + count))
+    q.put(ok)
+
+
+def _proc_reader(drives: list[str], count: int, q: mp.Queue) -> None:
+    store = Store(drives, capacity_bytes=6 * SHAPE.object_bytes)
+    ring = StagingRing(4 * SHAPE.stride, SHAPE.stride)
+    wrong = 0
+    for _ in range(3):
+        for i in range(count):
+            for s, got in enumerate(get(store, ring, i)):
+                if got is not None and got != payload(i, s):
+                    wrong += 1
+    q.put(wrong)
+
+
+def test_several_writer_and_reader_processes_share_one_store(tmp_path: Path) -> None:
+    drives = [str(tmp_path / "d0"), str(tmp_path / "d1")]
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_proc_writer, args=(drives, w * 10, 10, q)) for w in range(3)]
+    procs += [ctx.Process(target=_proc_reader, args=(drives, 30, q)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    writers_ok = [r for r in results if isinstance(r, bool)]
+    wrong = [r for r in results if not isinstance(r, bool)]
+    assert writers_ok == [True, True, True]
+    assert wrong == [0, 0], "a reader got bytes that are not the object's"
+    store = Store(drives, capacity_bytes=6 * SHAPE.object_bytes)
+    assert store.rebuild().bytes <= 6 * SHAPE.object_bytes
