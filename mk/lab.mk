@@ -10,8 +10,11 @@ bench: setup ## run campaign=FILE on inventory=NAME's bench hosts and fetch resu
 	  playbooks/bench.yml -e bench_runner_campaign=$(abspath $(campaign)) $(ARGS)
 
 GPU_CHECK_WHEELS := .whl
-gpu-check-wheels: ## download the few wheels gpu-check brings to a GPU machine (cp312 manylinux x86_64) into .whl/
+gpu-check-wheels: ## download the few wheels gpu-check brings to a GPU machine (cp312 manylinux x86_64, <= 64 MiB) into .whl/
 	scripts/gpu-check-wheels $(GPU_CHECK_WHEELS)
+	touch $(GPU_CHECK_WHEELS)/.complete
 
-gpu-check: gpu-check-wheels ## one GPU: restore store objects into GPU memory through kvikio, byte for byte, GB/s vs a pinned copy
-	scripts/gpu-check --wheels $(GPU_CHECK_WHEELS)
+# On the GPU machine (no network) the wheels come along in .whl/: download only where missing.
+gpu-check: ## one GPU (Python 3.12 + torch + CUDA): store objects restored into GPU memory through kvikio, byte for byte, GB/s vs pinned copy
+	@test -f $(GPU_CHECK_WHEELS)/.complete || $(MAKE) --no-print-directory gpu-check-wheels
+	scripts/gpu-check --wheels $(GPU_CHECK_WHEELS) $(ARGS)
