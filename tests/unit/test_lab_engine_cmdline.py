@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab import setups
+from kvlab import demo, setups
 from kvlab.engine import EngineServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,20 +121,11 @@ def role_vars_for(params: setups.EngineParams) -> dict:
 
 
 def embedded_params(tmp: Path) -> setups.EngineParams:
-    """The embedded default's shape: the CPU engine from this checkout's environment."""
-    venv_python = Path(sys.prefix) / "bin" / "python"
-    return setups.EngineParams(
-        model=str(tmp / "models" / "tiny"),
-        python=str(venv_python),
-        port=8123,
-        max_model_len=40960,
-        max_num_batched_tokens=8192,
-        device="cpu",
-        cpu_cores="0-1",
-        cpu_kv_cache_gib=2,
-        kv_store_paths=(str(tmp / "store" / "d0"), str(tmp / "store" / "d1")),
-        example_storage_path=str(tmp / "example"),
-    )
+    """What `make demo` starts (kvlab.demo.engine_params). The role names the environment's
+    interpreter <venv>/bin/python; the demo names the one running it (sys.executable), the
+    same interpreter under another spelling when started as python3: use the role's."""
+    params = demo.engine_params(tmp / "models" / "tiny", tokens=30000, work=tmp / "work", port=8123)
+    return params.with_(python=str(Path(sys.prefix) / "bin" / "python"))
 
 
 def single_host_inventory(tmp: Path, params: setups.EngineParams, setups_: list[str]) -> Path:
