@@ -382,6 +382,27 @@ class Store:
                 removed += 1
         return ScanResult(len(entries), total, removed, time.perf_counter() - t0, entries, paths)
 
+    # ---- by key alone, whatever the shape (the LMCache L2 adapter: LMCache looks up and
+    # deletes by key, and learns an object's size only when it hands over a buffer) ------
+    def exists_any_shape(self, ns: str, key: str) -> bool:
+        """Whether a committed object has this key. Its fragment 0 sits on the first drive
+        and is renamed into place last at commit."""
+        prefix = f"{key}.0-"
+        return any(e.name.startswith(prefix) for e in _scandir(self.drives[0] / ns / key[:2]))
+
+    def remove(self, ns: str, key: str) -> int:
+        """Delete the object with this key from every drive; returns the bytes freed."""
+        freed = 0
+        for drive in self.drives:
+            for e in _scandir(drive / ns / key[:2]):
+                m = _FRAGMENT_RE.match(e.name)
+                if m and m.group(1) == key:
+                    _unlink(e.path)
+                    freed += int(m.group(4))
+        if freed:
+            self._with_lock(lambda: self._write_usage(self._read_usage() - freed))
+        return freed
+
     def close(self) -> None:
         self.engine.shutdown()
         self.flush_usage()

@@ -70,6 +70,7 @@ class WorkerSide:
         self.saves_enabled = not (layout.mla and rank != 0)
         self.shape = layout.shape
         self.ring: StagingRing | None = None
+        self.io_mode = store.io_mode
         self.kv: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
         self.blocks_dim = 0
@@ -111,23 +112,37 @@ class WorkerSide:
         desc = f"{tuple(first.shape)}:{first.stride()}:{first.dtype}:{self.blocks_dim}".encode()
         self.tag = zlib.crc32(desc)
         self.ring = StagingRing(self.config.ring_bytes, self.shape.stride)
+        self.io_mode = self.store.io_mode
+        if first.device.type == "cuda":
+            self._choose_gpu_io()
         log.info(
             "kvlab connector: %d layers, %d B sections, %d ring slots (%d MiB), io %s, drives %s",
             len(self.kv), self.shape.section_bytes, self.ring.num_slots, self.ring.ring_bytes >> 20,
-            self.store.io_mode, [str(d) for d in self.store.drives],
+            self.io_mode, [str(d) for d in self.store.drives],
         )
         m = metrics.metrics()
         if m is not None:
-            m["io_mode"].labels(mode=self.store.io_mode).set(1)
+            m["io_mode"].labels(mode=self.io_mode).set(1)
+
+    def _choose_gpu_io(self) -> None:
+        """GPU engines: sections travel drive → ring → device; say what GDS could do here."""
+        from kvlab_connector.io_gds import probe_gds
+
+        gds = probe_gds()
+        log.info("kvlab connector: GDS probe: %s", gds.reason)
+        if self.config.io_engine == "gds":
+            raise RuntimeError(
+                "kvlab connector: io_engine 'gds' asks for reads straight into GPU memory, which this "
+                f"version does not do in the engine (GDS probe: {gds.reason}); use io_engine 'auto' "
+                "(drive → staging ring → GPU) and `make gpu-check` for the kvikio path"
+            )
+        self.io_mode = f"{self.store.io_mode}+h2d"
 
     def _slot_tensor(self, slot: int) -> torch.Tensor:
         assert self.ring is not None
         buf = self.ring.buffer(slot, self.shape.section_bytes)
         t = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
         return t.view(self.layout.blocks_per_chunk, *self.block_shape)
-
-    def _block_index(self, ids: list[int]) -> tuple:
-        return (slice(None),) * self.blocks_dim + (torch.tensor(ids, dtype=torch.long),)
 
     # ---- load -----------------------------------------------------------------------
     def start_load(self, meta: StepMetadata) -> None:
@@ -192,8 +207,17 @@ class WorkerSide:
                     if load.cancelled:
                         ok = False
                     else:
-                        src = self._slot_tensor(slot)[sel]
-                        self.kv[layer][self._block_index(ids)] = src.movedim(0, self.blocks_dim) if self.blocks_dim else src
+                        src = self._slot_tensor(slot)
+                        if len(sel) != len(chunk.block_ids):
+                            src = src[sel]
+                        dst = self.kv[layer]
+                        if dst.device != src.device:
+                            src = src.to(dst.device)  # GPU engines: host ring → device
+                        # One copy, slot → paged cache, whatever the block dimension.
+                        dst.index_copy_(
+                            self.blocks_dim, torch.tensor(ids, dtype=torch.long, device=dst.device),
+                            src.movedim(0, self.blocks_dim) if self.blocks_dim else src,
+                        )
         except Exception:  # a failed copy is a failed load, never a crashed engine
             log.exception("kvlab connector: copy into the KV cache failed")
             ok = False
@@ -271,11 +295,11 @@ class WorkerSide:
                 self.ring.release(slot)
                 continue
             dst = self._slot_tensor(slot)
-            if self.blocks_dim == 0:
-                torch.index_select(kv_layer, 0, torch.tensor(chunk.block_ids, dtype=torch.long), out=dst)
+            ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=kv_layer.device)
+            if kv_layer.device == dst.device and self.blocks_dim == 0:
+                torch.index_select(kv_layer, 0, ids, out=dst)  # one copy, paged cache → slot
             else:
-                for j, b in enumerate(chunk.block_ids):
-                    dst[j].copy_(kv_layer.select(self.blocks_dim, b))
+                dst.copy_(kv_layer.index_select(self.blocks_dim, ids).movedim(self.blocks_dim, 0))
             writer.submit_section(layer, self.ring.buffer(slot), lambda ok, slot=slot: self.ring.release(slot))
             self._writers[chunk.key] = (writer, submitted + 1)
 
@@ -294,7 +318,7 @@ class WorkerSide:
     def stats(self) -> dict[str, Any]:
         s = self.store.stats
         return {
-            "io_mode": self.store.io_mode,
+            "io_mode": self.io_mode,
             "bytes_read": s.bytes_read,
             "bytes_written": s.bytes_written,
             "objects_written": s.objects_written,

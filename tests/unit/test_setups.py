@@ -1,0 +1,61 @@
+"""The setup registry renders each setup's processes once, for engine control and Ansible."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvlab import setups
+from kvlab.setup_cli import params_from_mapping
+
+
+def params(**kw) -> setups.EngineParams:  # type: ignore[no-untyped-def]
+    base = {"model": "/models/tiny", "kv_store_paths": ("/mnt/a", "/mnt/b"), "example_storage_path": "/tmp/ex"}
+    return setups.EngineParams(**(base | kw))
+
+
+def kv_config(d: setups.Deployment) -> dict | None:
+    argv = list(d.engine.argv)
+    if "--kv-transfer-config" not in argv:
+        return None
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+@pytest.mark.parametrize("name", ["baseline", "kvlab", "vllm-example"])
+def test_every_setup_renders_on_cpu(name: str) -> None:
+    d = setups.render(name, params())
+    assert d.engine.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+    assert d.engine.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1", "every setup computes on the same cores"
+    assert kv_config(d) == d.kv_transfer_config
+
+
+def test_kvlab_setup_passes_its_drives_and_recompute_policy() -> None:
+    kv = kv_config(setups.render("kvlab", params(kv_ring_bytes=1 << 30)))
+    assert kv is not None
+    assert kv["kv_connector_module_path"] == "kvlab_connector.vllm_connector"
+    assert kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_extra_config"]["paths"] == ["/mnt/a", "/mnt/b"]
+    assert kv["kv_connector_extra_config"]["ring_bytes"] == 1 << 30
+
+
+def test_setups_differ_only_in_their_kv_transfer() -> None:
+    def without_kv(d: setups.Deployment) -> list[str]:
+        argv = list(d.engine.argv)
+        if "--kv-transfer-config" in argv:
+            i = argv.index("--kv-transfer-config")
+            del argv[i:i + 2]
+        return argv
+
+    rendered = [setups.render(n, params()) for n in ("baseline", "kvlab", "vllm-example")]
+    assert len({tuple(without_kv(d)) for d in rendered}) == 1
+    assert len({json.dumps(d.engine.env, sort_keys=True) for d in rendered}) == 1
+
+
+def test_unknown_setup_and_missing_drives_are_user_errors() -> None:
+    with pytest.raises(setups.SetupError, match="choose one of"):
+        setups.render("nvme-magic", params())
+    with pytest.raises(setups.SetupError, match="kv_store_paths"):
+        setups.render("kvlab", params(kv_store_paths=()))
+    with pytest.raises(setups.SetupError, match="unknown engine parameter"):
+        params_from_mapping({"model": "/m", "tp": 8})
