@@ -13,6 +13,7 @@ COMMAND_MODULES = [
     "kvlab.demo",
     "kvlab.bench",
     "kvlab.testbed.cli",
+    "kvlab.harness.cli",
 ]
 
 

@@ -1,0 +1,118 @@
+"""`kvlab campaign run|validate|plan` and `kvlab report RUN... [--summary-json]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvlab.harness import campaign as campaign_mod
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("campaign", help="run, validate or plan a benchmark campaign (campaigns/*.yml)")
+    s = p.add_subparsers(dest="campaign_command", required=True)
+    v = s.add_parser("validate", help="check campaign files against the schema")
+    v.add_argument("files", nargs="+", type=Path)
+    v.set_defaults(func=_validate)
+    pl = s.add_parser("plan", help="print the plan (engine lives, steps) and a time estimate")
+    pl.add_argument("file", type=Path)
+    pl.set_defaults(func=_plan)
+    r = s.add_parser("run", help="run a campaign end to end and write results/runs/<run-id>/ with its report")
+    r.add_argument("file", type=Path)
+    r.add_argument("--dry-run", action="store_true", help="print the plan and an estimate; start nothing")
+    r.add_argument("--results", type=Path, default=Path("results/runs"), help="runs folder (default results/runs)")
+    r.add_argument("--keep-stores", action="store_true", help="keep the setups' KV stores after the run")
+    r.add_argument("--no-report", action="store_true", help="write the raw results only")
+    r.set_defaults(func=_run)
+
+    rep = sub.add_parser("report", help="render a campaign run's tables and plots; several runs side by side")
+    rep.add_argument("runs", nargs="+", type=Path, help="results/runs/<run-id> (or results/runs/latest)")
+    rep.add_argument("--summary-json", action="store_true", help="print the summary (kvlab.summary/1) as JSON")
+    rep.add_argument("--out", type=Path, help="where a side-by-side report of several runs goes")
+    rep.add_argument("--check", action="store_true", help="validate each run's report/summary.json against the schema")
+    rep.set_defaults(func=_report)
+
+
+def _load(path: Path) -> tuple[campaign_mod.Campaign, str]:
+    from kvlab.cli import UserError
+
+    try:
+        return campaign_mod.load(path)
+    except campaign_mod.CampaignError as e:
+        raise UserError(str(e)) from None
+
+
+def _validate(args: argparse.Namespace) -> int:
+    for f in args.files:
+        c, sha = _load(f)
+        print(f"{f}: ok ({c.name}: {len(c.setups)} setups, device {c.device}, sha256 {sha[:12]})")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvlab.cli import UserError
+    from kvlab.harness.plan import plan, render_plan
+
+    c, _ = _load(args.file)
+    try:
+        print(render_plan(c, plan(c, args.file.parent)))
+    except campaign_mod.CampaignError as e:
+        raise UserError(str(e)) from None
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvlab.cli import UserError
+
+    if args.dry_run:
+        return _plan(args)
+    from kvlab.harness.report import render_run
+    from kvlab.harness.runner import run_campaign
+
+    c, sha = _load(args.file)
+    t0 = time.monotonic()
+    try:
+        run_dir = run_campaign(c, args.file, sha, args.results, keep_stores=args.keep_stores)
+    except campaign_mod.CampaignError as e:
+        raise UserError(str(e)) from None
+    print(f"campaign {c.name}: {time.monotonic() - t0:.0f} s; results in {run_dir}", file=sys.stderr)
+    if not args.no_report:
+        _, md = render_run(run_dir)
+        print(f"report: {md}", file=sys.stderr)
+        print(md.read_text())
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from kvlab.cli import UserError
+    from kvlab.harness.report import load_run, render, render_run
+    from kvlab.harness.summary import to_json_obj, validate
+
+    runs = []
+    for r in args.runs:
+        try:
+            if len(args.runs) == 1 and not args.out:
+                run, md = render_run(r)
+            else:
+                run, md = load_run(r), None
+            if args.check:
+                # the summary as written in report/ (regenerated just above for a single run)
+                validate(json.loads((r / "report" / "summary.json").read_text()))
+                print(f"{r}: report/summary.json validates against kvlab.summary/1", file=sys.stderr)
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise UserError(str(e)) from None
+        except ValueError as e:
+            raise UserError(f"{r}: report/summary.json does not validate: {str(e).splitlines()[0]}") from None
+        runs.append(run)
+        if args.summary_json:
+            print(json.dumps(to_json_obj(run.summary), separators=(",", ":")))
+    if len(runs) > 1 or args.out:
+        out = args.out or Path("results/reports") / time.strftime("%Y%m%d-%H%M%S")
+        md = render(runs, out)
+    if not args.summary_json:
+        print(md.read_text())
+        print(f"report: {md}", file=sys.stderr)
+    return 0

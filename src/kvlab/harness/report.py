@@ -1,0 +1,370 @@
+"""`kvlab report`: the seeds' tables (Markdown) and plots (PNG), derived from raw records.
+
+Everything here is regenerable: it reads records.jsonl, campaign.yml and provenance.json
+of each run and rewrites report/ (summary.json, report.md, *.png). Several runs render
+side by side, each setup labelled with its run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvlab.harness import results
+from kvlab.harness.summary import SetupSummary, Summary, summarize, to_json_obj
+
+
+@dataclass
+class RunData:
+    dir: Path
+    run_id: str
+    campaign: dict[str, Any]
+    provenance: dict[str, Any]
+    records: list[dict[str, Any]]
+    summary: Summary
+
+
+def load_run(run_dir: Path) -> RunData:
+    run_dir = Path(run_dir)
+    if not (run_dir / results.RECORDS).exists():
+        raise FileNotFoundError(f"{run_dir}: not a campaign run (no {results.RECORDS}): give results/runs/<run-id>")
+    resolved = run_dir.resolve()
+    campaign = yaml.safe_load((run_dir / results.CAMPAIGN).read_text()) if (run_dir / results.CAMPAIGN).exists() else {}
+    prov_path = run_dir / results.PROVENANCE
+    prov = json.loads(prov_path.read_text()) if prov_path.exists() else {}
+    records = results.read_records(run_dir)
+    sweep = (campaign.get("scenarios") or {}).get("sweep") or {}
+    avg = tuple(sweep.get("average_rounds", (2, 9))) if sweep else None
+    if avg and sweep.get("rounds") and avg[1] > sweep["rounds"]:
+        avg = None
+    summary = summarize(records, list(campaign.get("setups") or []), run_id=resolved.name,
+                        campaign=campaign.get("name"), avg_rounds=avg)  # type: ignore[arg-type]
+    return RunData(run_dir, resolved.name, campaign, prov, records, summary)
+
+
+# ---- formatting ------------------------------------------------------------------------
+def f3(v: float | None, digits: int = 3) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.0f}%"
+
+
+def mib(v: float | None) -> str:
+    return "—" if v is None else f"{v / 2**20:.0f}"
+
+
+def gib(v: float | None) -> str:
+    return "—" if v is None else f"{v / 2**30:.2f}"
+
+
+def columns(runs: list[RunData]) -> list[tuple[str, SetupSummary, RunData]]:
+    multi = len(runs) > 1
+    return [((f"{r.run_id}:{name}" if multi else name), s, r) for r in runs for name, s in r.summary.setups.items()]
+
+
+def restore_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
+    rows = ["| setup | I/O mode | recompute s | warm restore s | after restart s | cached tokens warm / restart "
+            "| read MiB per restart | restart ÷ recompute |", "|---|---|---|---|---|---|---|---|"]
+    for label, s, _ in cols:
+        if s.skipped:
+            continue
+        ratio = (s.restart_restore_ttft_s / s.recompute_ttft_s
+                 if s.restart_restore_ttft_s and s.recompute_ttft_s else None)
+        rows.append(
+            f"| {label} | {s.io_mode or 'not reported'} | {f3(s.recompute_ttft_s)} (×{s.recompute_samples}) "
+            f"| {f3(s.warm_restore_ttft_s)} (×{s.warm_restore_samples}) "
+            f"| {f3(s.restart_restore_ttft_s)} (×{s.restart_restore_samples}) "
+            f"| {f3(s.warm_restore_cached_tokens, 0)} / {f3(s.restart_restore_cached_tokens, 0)} "
+            f"| {mib(s.restore_read_bytes)} | {f3(ratio)} |")
+    return rows
+
+
+def sweep_tables(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
+    lengths = sorted({int(k) for _, s, _ in cols for k in s.sweep}, key=int)
+    if not lengths:
+        return ["No sweep ran."]
+    live = [(label, s) for label, s, _ in cols if s.sweep]
+    head = "| input tokens | " + " | ".join(label for label, _ in live) + " |"
+    sep = "|---|" + "---|" * len(live)
+    out = []
+    for title, key, digits in (("Mean TTFT, s (lower is better)", "ttft_s", 3),
+                               ("Total token throughput, tokens/s (higher is better)", "throughput_tok_s", 0),
+                               ("TTFT improvement over baseline, × (baseline ÷ setup)", "ttft_improvement", 2),
+                               ("Throughput improvement over baseline, × (setup ÷ baseline)",
+                                "throughput_improvement", 2)):
+        out += [f"**{title}**", "", head, sep]
+        for n in lengths:
+            cells = []
+            for _, s in live:
+                p = s.sweep.get(str(n))
+                cells.append("—" if p is None else f3(getattr(p, key), digits))
+            out.append(f"| {n} | " + " | ".join(cells) + " |")
+        out.append("")
+    samples = {p.samples for _, s in live for p in s.sweep.values()}
+    out.append(f"Rounds averaged per cell: {', '.join(map(str, sorted(samples)))}.")
+    return out
+
+
+def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
+    live = [(label, s, r) for label, s, r in cols if s.agents]
+    if not live:
+        return ["No agents step ran."]
+    ns = sorted({int(n) for _, s, _ in live for n in s.agents})
+    thr = {((r.campaign.get("scenarios") or {}).get("agents") or {}).get("frozen_threshold_s", 20.0) for _, _, r in live}
+    threshold = "/".join(f"{t:g}" for t in sorted(thr))
+
+    def cell(s: SetupSummary, fn: Any) -> str:
+        return " / ".join(fn(s.agents[str(n)]) if str(n) in s.agents else "—" for n in ns)
+
+    metrics_rows = [
+        ("Decode rate per agent, tokens/s", lambda p: f3(p.decode_tok_s_per_agent, 1)),
+        ("Returning turns found in the cache", lambda p: pct(p.returning_turn_hit_share)),
+        ("Prompt tokens of returning turns from the cache", lambda p: pct(p.returning_token_hit_share)),
+        ("First token of a returning turn, median, s", lambda p: f3(p.returning_ttft_median_s, 2)),
+        ("First token of a returning turn, p90, s", lambda p: f3(p.returning_ttft_p90_s, 2)),
+        ("First token of a returning turn, p99, s", lambda p: f3(p.returning_ttft_p99_s, 2)),
+        (f"Answers frozen for more than {threshold} s", lambda p: "—" if p.frozen_answers is None else str(p.frozen_answers)),
+        ("Wall time of the step, s", lambda p: f3(p.wall_s, 1)),
+        ("Answers (returning) / errors", lambda p: f"{p.answers} ({p.samples}) / {p.errors}"),
+        ("External prefix-cache hits, tokens", lambda p: f3(p.external_hit_tokens, 0)),
+    ]
+    out = [f"At N = {' / '.join(map(str, ns))} concurrent agents.", "",
+           "| Metric | " + " | ".join(label for label, _, _ in live) + " |", "|---|" + "---|" * len(live)]
+    for title, fn in metrics_rows:
+        out.append(f"| {title} | " + " | ".join(cell(s, fn) for _, s, _ in live) + " |")
+    return out
+
+
+def memory_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
+    out = ["| setup | engine peak RSS GiB | cache server peak RSS GiB | engine pinned GiB | cache server pinned GiB | samples |",
+           "|---|---|---|---|---|---|"]
+    for label, s, _ in cols:
+        if s.skipped:
+            continue
+        out.append(f"| {label} | {gib(s.peak_rss_bytes.engine)} | {gib(s.peak_rss_bytes.cache_server)} | "
+                   f"{gib(s.peak_pinned_bytes.engine)} | {gib(s.peak_pinned_bytes.cache_server)} | {s.memory_samples} |")
+    return out
+
+
+def provenance_lines(runs: list[RunData]) -> list[str]:
+    out = []
+    for r in runs:
+        p = r.provenance
+        g, v, h = p.get("git", {}), p.get("versions", {}), p.get("host", {})
+        out += [f"- **{r.run_id}**: campaign `{p.get('campaign')}` sha256 `{str(p.get('campaign_sha256'))[:16]}…`, "
+                f"seed {p.get('seed')}; commit `{str(g.get('commit'))[:12]}`{' (dirty)' if g.get('dirty') else ''}; "
+                f"vLLM {v.get('vllm')}, torch {v.get('torch')}, LMCache {v.get('lmcache')}, kvlab {v.get('kvlab')}; "
+                f"{h.get('cpu_model')} ×{h.get('cpu_count')}, GPUs {h.get('gpus') or 'none'}, kernel {h.get('kernel')}; "
+                f"model {p.get('model', {}).get('kind')} `{str(p.get('model', {}).get('sha256', ''))[:16]}`; "
+                f"traces {json.dumps({Path(k).name: str(x)[:16] for k, x in (p.get('trace_sha256') or {}).items()})}"]
+    return out
+
+
+# ---- plots -----------------------------------------------------------------------------
+def _plt():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sweep(cols: list[tuple[str, SetupSummary, RunData]], out: Path) -> list[str]:
+    live = [(label, s) for label, s, _ in cols if s.sweep]
+    if not live:
+        return []
+    plt = _plt()
+    made = []
+    for key, fname, ylabel, title in (
+        ("ttft_s", "ttft_vs_length.png", "mean TTFT, s", "Mean TTFT vs input length (lower is better)"),
+        ("throughput_tok_s", "throughput_vs_length.png", "total token throughput, tokens/s",
+         "Total token throughput vs input length (higher is better)"),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, s in live:
+            xs = sorted(int(k) for k in s.sweep)
+            ys = [getattr(s.sweep[str(x)], key) for x in xs]
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("input length, tokens")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        made.append(fname)
+    imp = [(label, s) for label, s in live if any(p.throughput_improvement for p in s.sweep.values())]
+    if imp:
+        lengths = sorted({int(k) for _, s in imp for k in s.sweep})
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+        width = 0.8 / len(imp)
+        for ax, key, title in ((axes[0], "ttft_improvement", "TTFT: baseline ÷ setup"),
+                               (axes[1], "throughput_improvement", "Throughput: setup ÷ baseline")):
+            for i, (label, s) in enumerate(imp):
+                ys = [getattr(s.sweep.get(str(n)), key, None) or 0 for n in lengths]
+                ax.bar([j + i * width for j in range(len(lengths))], ys, width, label=label)
+            ax.set_xticks([j + width * (len(imp) - 1) / 2 for j in range(len(lengths))], [str(n) for n in lengths])
+            ax.axhline(1, color="grey", lw=0.8)
+            ax.set_xlabel("input length, tokens")
+            ax.set_ylabel("improvement over baseline, ×")
+            ax.set_title(title)
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "improvement.png", dpi=110)
+        plt.close(fig)
+        made.append("improvement.png")
+    return made
+
+
+def plot_restore(cols: list[tuple[str, SetupSummary, RunData]], out: Path) -> list[str]:
+    live = [(label, s) for label, s, _ in cols if s.recompute_samples]
+    if not live:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    kinds = (("recompute", "recompute_ttft_s"), ("warm restore", "warm_restore_ttft_s"),
+             ("after restart", "restart_restore_ttft_s"))
+    width = 0.8 / len(kinds)
+    for i, (name, key) in enumerate(kinds):
+        ys = [getattr(s, key) or 0 for _, s in live]
+        ax.bar([j + i * width for j in range(len(live))], ys, width, label=name)
+    ax.set_xticks([j + width for j in range(len(live))], [label for label, _ in live])
+    ax.set_ylabel("TTFT at the client, s (median)")
+    ax.set_title("One long prompt: recompute, warm restore, restore after restart")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "restore.png", dpi=110)
+    plt.close(fig)
+    return ["restore.png"]
+
+
+def plot_cdf(runs: list[RunData], out: Path) -> list[str]:
+    data: dict[tuple[str, int], list[float]] = defaultdict(list)
+    multi = len(runs) > 1
+    for r in runs:
+        for rec in r.records:
+            if rec.get("kind") == "request" and rec.get("scenario") == "agents" and "error" not in rec \
+                    and rec.get("reusable_tokens", 0) > 0:
+                label = f"{r.run_id}:{rec['setup']}" if multi else rec["setup"]
+                data[(label, rec["concurrency"])].append(rec["ttft_s"])
+    if not data:
+        return []
+    plt = _plt()
+    ns = sorted({n for _, n in data})
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 4), squeeze=False)
+    for ax, n in zip(axes[0], ns, strict=True):
+        for (label, m), xs in sorted(data.items()):
+            if m != n:
+                continue
+            xs = sorted(xs)
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+        ax.set_title(f"N = {n} agents")
+        ax.set_xlabel("first token of a returning turn, s")
+        ax.set_ylabel("share of returning turns")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("CDF of returning-turn TTFT")
+    fig.tight_layout()
+    fig.savefig(out / "returning_ttft_cdf.png", dpi=110)
+    plt.close(fig)
+    return ["returning_ttft_cdf.png"]
+
+
+def plot_memory(runs: list[RunData], out: Path) -> list[str]:
+    series: dict[str, list[tuple[float, float, float | None]]] = defaultdict(list)
+    multi = len(runs) > 1
+    for r in runs:
+        for rec in r.records:
+            if rec.get("kind") == "memory":
+                label = f"{r.run_id}:{rec['setup']}" if multi else rec["setup"]
+                series[label].append((rec["t"], rec["engine_rss_bytes"], rec.get("cache_server_rss_bytes")))
+    if not series:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, pts in series.items():
+        t0 = pts[0][0]
+        ax.plot([t - t0 for t, _, _ in pts], [e / 2**30 for _, e, _ in pts], label=f"{label} engine")
+        if any(c for _, _, c in pts):
+            ax.plot([t - t0 for t, _, _ in pts], [(c or 0) / 2**30 for _, _, c in pts], ls="--",
+                    label=f"{label} cache server")
+    ax.set_xlabel("seconds since the setup's first engine start")
+    ax.set_ylabel("RSS, GiB (process tree)")
+    ax.set_title("Memory over time: the bill")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    plt.close(fig)
+    return ["memory.png"]
+
+
+# ---- the report --------------------------------------------------------------------------
+def render(runs: list[RunData], out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    cols = columns(runs)
+    plots = plot_restore(cols, out) + plot_sweep(cols, out) + plot_cdf(runs, out) + plot_memory(runs, out)
+    title = runs[0].campaign.get("name", "campaign") if len(runs) == 1 else "runs side by side"
+    lines = [f"# kvlab report: {title}", ""]
+    if len(runs) == 1:
+        desc = runs[0].campaign.get("description")
+        if desc:
+            lines += [desc.strip(), ""]
+    skipped = [(label, s) for label, s, _ in cols if s.skipped or s.errors]
+    if skipped:
+        lines += ["## Not run", ""]
+        for label, s in skipped:
+            if s.skipped:
+                lines.append(f"- **{label}** skipped: {s.skipped}")
+            for e in s.errors:
+                lines.append(f"- **{label}** error: {e}")
+        lines.append("")
+    lines += ["## Restore: one long prompt", ""]
+    tokens = {((r.campaign.get("scenarios") or {}).get("restore") or {}).get("tokens") for r in runs} - {None}
+    if tokens:
+        lines += [f"Prompt of {', '.join(map(str, sorted(tokens)))} tokens; TTFT at the client (median, ×samples). "
+                  "Warm: after a prefix-cache reset on the running engine. After restart: the first request "
+                  "to a restarted engine (page cache dropped).", ""]
+        lines += restore_table(cols)
+    else:
+        lines.append("No restore ran.")
+    lines += ["", "## Sweep: TTFT and throughput by input length", ""] + sweep_tables(cols)
+    lines += ["", "## Agents: concurrent multi-turn sessions", ""] + agents_table(cols)
+    lines += ["", "## Memory", ""] + memory_table(cols)
+    lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    lines += ["", "## Provenance", ""] + provenance_lines(runs)
+    lines += ["", "Definitions: docs/results-schema.md. Regenerate: `kvlab report RUN`."]
+    md = out / "report.md"
+    md.write_text("\n".join(lines) + "\n")
+    if len(runs) == 1:
+        (out / "summary.json").write_text(json.dumps(to_json_obj(runs[0].summary), indent=2) + "\n")
+    return md
+
+
+def report_dir(run: RunData) -> Path:
+    return run.dir / results.REPORT
+
+
+def render_run(run_dir: Path) -> tuple[RunData, Path]:
+    run = load_run(run_dir)
+    out = report_dir(run)
+    tmp = out.with_name(f".report.{os.getpid()}")
+    render([run], tmp)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return run, out / "report.md"

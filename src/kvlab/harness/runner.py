@@ -1,0 +1,227 @@
+"""Run a campaign: per setup, its engine lives and scenarios; append-only records; progress."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvlab import setups
+from kvlab.engine import EngineError, EngineServer, drop_page_cache
+from kvlab.harness import results, scenarios
+from kvlab.harness.campaign import Campaign, CampaignError
+from kvlab.harness.memory import MemorySampler
+from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, plan
+from kvlab.harness.sessions import sha256_file, trace_path, workload
+from kvlab.paths import state_dir
+
+
+def note(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Progress:
+    """What runs now and how much is left: the plan's estimates, rescaled by the pace so far."""
+
+    def __init__(self, steps: list[Step]):
+        self.steps = list(steps)
+        self.i = 0
+        self.t0 = time.monotonic()
+        self.done_est = 0.0
+        self.total_est = sum(s.est_s for s in steps)
+
+    def advance(self, setup: str, what: str) -> None:
+        """The previous step is done; `what` (the plan's next step) runs now."""
+        if 0 < self.i <= len(self.steps):
+            self.done_est += self.steps[self.i - 1].est_s
+        self.i += 1
+        elapsed = time.monotonic() - self.t0
+        left_est = max(0.0, self.total_est - self.done_est)
+        pace = elapsed / self.done_est if self.done_est > 30 else 1.0
+        note(f"[{min(self.i, len(self.steps))}/{len(self.steps)} · {fmt_s(elapsed)} elapsed · "
+             f"~{fmt_s(left_est * pace)} left] {setup}: {what}")
+
+    def skip_setup(self, setup: str) -> None:
+        """A setup that failed: its remaining planned steps will not run."""
+        keep = self.steps[:self.i] + [s for s in self.steps[self.i:] if s.setup != setup]
+        self.total_est -= sum(s.est_s for s in self.steps[self.i:] if s.setup == setup)
+        self.steps = keep
+
+
+def engine_params(c: Campaign, model: Path, served: str, work: Path, prefix_caching: bool,
+                  max_prompt: int) -> setups.EngineParams:
+    kvb = kv_bytes_per_token(c)
+    values: dict[str, Any] = {
+        "max_model_len": int(math.ceil((max_prompt + 1024) / 1024) * 1024),
+        "cpu_kv_cache_gib": max(2, math.ceil(max_prompt * kvb * 4 / (1 << 30))),
+    }
+    # A setup whose connector needs the whole prompt in one step (ExampleConnector) gets a
+    # batch that holds it, and so does every other setup: the flags stay identical.
+    if any(setups.get(s).needs_full_prompt_batch for s in c.setups):
+        values["max_num_batched_tokens"] = max(values["max_model_len"], 8192)
+    values.update(c.engine)
+    values["kv_store_paths"] = tuple(values.get("kv_store_paths", ())) or (str(work / "kvlab-store"),)
+    return setups.EngineParams(
+        model=str(model), python=sys.executable, served_model_name=served, device=c.device,
+        port=free_port(), kv_metrics_port=free_port(), cache_server_port=free_port(),
+        example_storage_path=str(work / "example-store"), cache_server_l2_path=str(work / "l2"),
+        enable_prefix_caching=prefix_caching, **{k: v for k, v in values.items() if k != "kv_store_paths"},
+        kv_store_paths=values["kv_store_paths"],
+    )
+
+
+def resolve_model(c: Campaign) -> tuple[Path, str, dict[str, Any]]:
+    if c.model.tiny is not None:
+        from kvlab.model import ensure_tiny, tree_sha256
+
+        path = ensure_tiny(seed=c.model.tiny.seed)
+        return path, "tiny", {"kind": "tiny", "seed": c.model.tiny.seed, "path": str(path),
+                              "sha256": tree_sha256(path)}
+    assert c.model.path is not None
+    path = Path(c.model.path)
+    if not path.exists():
+        raise CampaignError(f"model.path {path}: no such folder on this host")
+    return path, c.model.served_name, {"kind": "path", "path": str(path)}
+
+
+def check_device(c: Campaign) -> None:
+    if c.device == "cuda":
+        gpus = results.gpus()
+        if not gpus:
+            raise CampaignError(f"campaign {c.name!r} runs on device 'cuda' and this host has no GPU: "
+                                "run it in the lab (inventory) or use `kvlab campaign plan` / `run --dry-run`")
+
+
+def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: Path,
+                 keep_stores: bool = False) -> Path:
+    check_device(c)
+    base = campaign_path.parent
+    plans = plan(c, base)
+    model, served, model_prov = resolve_model(c)
+    run_id = results.new_run_id(c.name)
+    writer = results.RunWriter(runs_dir, run_id)
+    writer.write_once(results.CAMPAIGN, campaign_path.read_bytes())
+    max_prompt = c.max_prompt_tokens()
+    work_root = state_dir() / "campaigns" / run_id
+    traces = {}
+    if c.scenarios.agents and c.scenarios.agents.source.mooncake:
+        tp = trace_path(c.scenarios.agents.source.mooncake, base)
+        traces[str(tp)] = sha256_file(tp)
+    engine_flags = {}
+    for p in plans:
+        if not p.runs:
+            continue
+        try:
+            d = setups.render(p.setup, engine_params(c, model, served, work_root / p.setup, True, max_prompt))
+        except setups.SetupError as e:
+            engine_flags[p.setup] = {"error": str(e)}
+        else:
+            engine_flags[p.setup] = {"argv": list(d.engine.argv), "env": d.engine.env,
+                                     "kv_transfer_config": d.kv_transfer_config,
+                                     "companion": list(d.companion.argv) if d.companion else None}
+    prov = {
+        "schema": "kvlab.provenance/1", "run_id": run_id, "campaign": c.name,
+        "campaign_sha256": campaign_sha, "campaign_path": str(campaign_path),
+        "git": results.git_state(), "versions": results.versions(), "host": results.host(),
+        "model": model_prov, "seed": c.seed, "trace_sha256": traces, "engine": engine_flags,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "note": "engine ports are chosen free per engine life; argv shows the first life's",
+    }
+    writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
+    results.point_latest(runs_dir, run_id)
+    steps = [s for p in plans if p.runs for s in p.steps]
+    progress = Progress(steps)
+    note(f"run {run_id}: {len(steps)} steps, estimate ~{fmt_s(progress.total_est)}; results in {writer.dir}")
+    try:
+        for p in plans:
+            if not p.runs:
+                writer.append({"kind": "skip", "setup": p.setup, "reason": p.reason})
+                note(f"{p.setup}: skipped: {p.reason}")
+                continue
+            run_setup(c, p, model, served, work_root / p.setup, max_prompt, writer, progress, base)
+            if not keep_stores:
+                shutil.rmtree(work_root / p.setup, ignore_errors=True)
+    finally:
+        writer.append({"kind": "event", "event": "campaign_end", "t": time.time()})
+        writer.close()
+        if not keep_stores:
+            shutil.rmtree(work_root, ignore_errors=True)
+    return writer.dir
+
+
+def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, max_prompt: int,
+              writer: results.RunWriter, progress: Progress, base: Path) -> None:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    sc = c.scenarios
+    for prefix_caching, names in _lives(c):
+        params = engine_params(c, model, served, work, prefix_caching, max_prompt)
+        try:
+            deployment = setups.render(p.setup, params)
+        except setups.SetupError as e:
+            writer.append({"kind": "skip", "setup": p.setup, "reason": str(e)})
+            note(f"{p.setup}: skipped: {e}")
+            progress.skip_setup(p.setup)
+            return
+        server = EngineServer(deployment, writer.dir / "logs")
+        extra = (deployment.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+        cm_url = f"http://127.0.0.1:{extra['metrics_port']}/metrics" if "metrics_port" in extra else None
+        sampler = MemorySampler(server.pids, c.memory.interval_s, writer.append, p.setup)
+
+        def restart(server: EngineServer = server, prefix_caching: bool = prefix_caching) -> float:
+            s = server.start(progress=True)
+            writer.append({"kind": "event", "event": "engine_start", "setup": p.setup, "seconds": s,
+                           "prefix_caching": prefix_caching, "pids": server.pids(), "t": time.time()})
+            return s
+
+        target = scenarios.Target(p.setup, server, served, cm_url, writer.append, note,
+                                  lambda ph, s=sampler: setattr(s, "phase", ph))
+        try:
+            progress.advance(p.setup, f"engine start (prefix caching {'on' if prefix_caching else 'off'})")
+            if sc.restore and "restore" in names and sc.restore.drop_page_cache:  # a cold first start too
+                drop_page_cache()
+            with sampler:
+                restart()
+                mode = target.io_mode()
+                writer.append({"kind": "io_mode", "setup": p.setup, "io_mode": mode})
+                for name in names:
+                    if name == "restore":
+                        assert sc.restore
+                        scenarios.restore(target, sc.restore, c.seed, restart,
+                                          lambda w: progress.advance(p.setup, w))
+                    elif name == "sweep":
+                        assert sc.sweep
+                        scenarios.sweep(target, sc.sweep, c.seed, lambda w: progress.advance(p.setup, w))
+                    elif name == "agents":
+                        assert sc.agents
+                        for n in sc.agents.concurrency:
+                            progress.advance(p.setup, f"agents: N={n}")
+                            wl = workload(sc.agents.source, n, c.seed, f"agents-{n}", base)
+                            scenarios.agents(target, sc.agents, n, wl)
+                sampler.phase = "stop"
+                progress.advance(p.setup, "engine stop")
+        except (EngineError, OSError) as e:
+            writer.append({"kind": "error", "setup": p.setup, "scenarios": names,
+                           "message": f"{type(e).__name__}: {e}"[-4000:]})
+            note(f"{p.setup}: failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            progress.skip_setup(p.setup)
+            return
+        finally:
+            server.stop()
+
+
+def _lives(c: Campaign) -> list[tuple[bool, list[str]]]:
+    from kvlab.harness.plan import lives_of
+
+    return lives_of(c)

@@ -1,0 +1,205 @@
+"""The seeds' scenarios against one running engine; each request becomes one raw record.
+
+restore: one long prompt computed, then restored after prefix-cache resets and after engine
+restarts (the first request after a restart is the measured one). sweep: context lengths x
+rounds of the same input. agents: N concurrent agents replaying sessions while new turns
+are written. The memory scenario is the sampler that runs through all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvlab.client import Completion, complete
+from kvlab.engine import EngineServer, drop_page_cache, metric_sum, parse_prometheus
+from kvlab.harness.campaign import AgentsScenario, RestoreScenario, SweepScenario
+from kvlab.harness.sessions import TurnSpec, Workload, token_ids
+
+Sink = Callable[[dict[str, Any]], None]
+Note = Callable[[str], None]
+
+# vLLM's counters of prompt tokens looked up and found: its own prefix cache, and the connector's.
+VLLM_COUNTERS = {
+    "local_queries": "vllm:prefix_cache_queries",
+    "local_hits": "vllm:prefix_cache_hits",
+    "external_queries": "vllm:external_prefix_cache_queries",
+    "external_hits": "vllm:external_prefix_cache_hits",
+}
+# kvlab's connector (metrics_port): bytes moved and where pages came from.
+CONNECTOR_COUNTERS = {"read_bytes": "kvlab_read_bytes", "written_bytes": "kvlab_written_bytes",
+                      "hit_tokens": "kvlab_hit_tokens", "saves_dropped": "kvlab_saves_dropped",
+                      "load_error_blocks": "kvlab_load_error_blocks"}
+
+
+@dataclass
+class Target:
+    """A running engine as the scenarios see it."""
+
+    setup: str
+    server: EngineServer
+    model: str
+    connector_metrics_url: str | None
+    sink: Sink
+    note: Note
+    set_phase: Callable[[str], None]
+
+    def counters(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        try:
+            m = self.server.metrics()
+            for k, name in VLLM_COUNTERS.items():
+                out[k] = metric_sum(m, name + "_total") or metric_sum(m, name)
+        except (OSError, urllib.error.URLError):
+            pass
+        c = self.connector_metrics()
+        for k, name in CONNECTOR_COUNTERS.items():
+            if c:
+                out["connector_" + k] = metric_sum(c, name + "_total") or metric_sum(c, name)
+        return out
+
+    def connector_metrics(self) -> dict[str, float]:
+        if not self.connector_metrics_url:
+            return {}
+        try:
+            with urllib.request.urlopen(self.connector_metrics_url, timeout=5) as r:
+                return parse_prometheus(r.read().decode())
+        except (OSError, urllib.error.URLError):
+            return {}
+
+    def io_mode(self) -> str | None:
+        """The I/O mode the connector reports (kvlab_io_mode_info{mode=...}); None if it reports none."""
+        for key, value in self.connector_metrics().items():
+            if key.startswith("kvlab_io_mode_info{") and value >= 1:
+                label = key.split('mode="', 1)[-1].split('"', 1)[0]
+                return label or None
+        return None
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def completion_fields(c: Completion) -> dict[str, Any]:
+    return {"ttft_s": c.ttft_s, "total_s": c.total_s, "output_tokens": c.output_tokens,
+            "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens, "max_gap_s": c.max_gap_s}
+
+
+def measured(t: Target, prompt: list[int] | tuple[int, ...], max_tokens: int, base: dict[str, Any],
+             with_counters: bool = True) -> Completion | None:
+    """One request, recorded with the counters' change over it (when nothing else runs)."""
+    before = t.counters() if with_counters else {}
+    t0 = time.time()
+    try:
+        c = complete(t.server.base_url, t.model, list(prompt), max_tokens)
+    except Exception as e:  # a failed request is a result too: recorded, never hidden
+        t.sink({**base, "kind": "request", "setup": t.setup, "t_start": t0, "t_end": time.time(),
+                "error": f"{type(e).__name__}: {e}"[:500]})
+        return None
+    rec = {**base, "kind": "request", "setup": t.setup, "t_start": t0, "t_end": time.time(), **completion_fields(c)}
+    if with_counters:
+        rec["counters"] = delta(t.counters(), before)
+    t.sink(rec)
+    return c
+
+
+# ---- restore ---------------------------------------------------------------------------
+def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], float],
+            step: Callable[[str], None]) -> None:
+    prompt = token_ids(f"{seed}:restore", sc.tokens)
+    base = {"scenario": "restore", "tokens": sc.tokens}
+    step("restore: compute")
+    t.set_phase("restore:compute")
+    c = measured(t, prompt, sc.output_tokens, {**base, "phase": "compute"})
+    if c:
+        t.note(f"{t.setup}: computed {sc.tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
+    time.sleep(sc.settle_s)  # saves are asynchronous: let the last writes land
+    for i in range(sc.warm_repeats):
+        step(f"restore: warm {i + 1}/{sc.warm_repeats}")
+        t.set_phase("restore:warm")
+        if sc.prefix_caching:  # without a prefix cache the running engine already has to restore
+            t.server.reset_prefix_cache()
+        c = measured(t, prompt, sc.output_tokens, {**base, "phase": "warm", "repeat": i})
+        if c:
+            t.note(f"{t.setup}: warm restore {c.ttft_s:.3f} s (cached {c.cached_tokens})")
+    for i in range(sc.restart_repeats):
+        step(f"restore: restart {i + 1}/{sc.restart_repeats}")
+        t.set_phase("restore:restart")
+        dropped = None
+        start_s = restart_with_drop(t, restart, sc.drop_page_cache)
+        if sc.drop_page_cache:
+            dropped = start_s[1]
+        c = measured(t, prompt, sc.output_tokens,
+                     {**base, "phase": "restart", "repeat": i, "engine_start_s": start_s[0],
+                      "page_cache_dropped": dropped})
+        if c:
+            t.note(f"{t.setup}: restore after restart {c.ttft_s:.3f} s (cached {c.cached_tokens})")
+        time.sleep(sc.settle_s)
+
+
+def restart_with_drop(t: Target, restart: Callable[[], float], drop: bool) -> tuple[float, bool | None]:
+    """Restart the engine; with drop, the page cache is dropped while it is down."""
+    server = t.server
+    server.engine.stop()
+    if server.companion and not server.deployment.companion_survives_engine_restart:
+        server.companion.stop()
+    dropped = drop_page_cache() if drop else None
+    if drop and not dropped:
+        t.note("cannot drop the page cache (not root?): restores after restart may read from RAM")
+    return restart(), dropped
+
+
+# ---- sweep -----------------------------------------------------------------------------
+def sweep(t: Target, sc: SweepScenario, seed: int, step: Callable[[str], None]) -> None:
+    for length in sc.lengths:
+        prompt = token_ids(f"{seed}:sweep:{length}", length)
+        step(f"sweep: {length} tokens x {sc.rounds} rounds")
+        t.set_phase(f"sweep:{length}")
+        ttfts = []
+        for r in range(1, sc.rounds + 1):
+            c = measured(t, prompt, sc.output_tokens, {"scenario": "sweep", "length": length, "round": r})
+            if c:
+                ttfts.append(c.ttft_s)
+            time.sleep(sc.settle_s)
+        if ttfts:
+            t.note(f"{t.setup}: sweep {length}: first {ttfts[0]:.3f} s, last {ttfts[-1]:.3f} s")
+
+
+# ---- agents ----------------------------------------------------------------------------
+def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
+    """N agents, each sending its turns in order (after its think time, or at its trace time)."""
+    t.set_phase(f"agents:{n}")
+    before = t.counters()
+    t0 = time.perf_counter()
+    t0_wall = time.time()
+
+    def run_agent(a: int, turns: tuple[TurnSpec, ...]) -> None:
+        for turn in turns:
+            if turn.at_s is not None:
+                wait = t0 + turn.at_s - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+            elif turn.think_s:
+                time.sleep(turn.think_s)
+            measured(t, turn.prompt, turn.max_tokens,
+                     {"scenario": "agents", "concurrency": n, "agent": a, "session": turn.session,
+                      "turn": turn.index, "reusable_tokens": turn.reusable_tokens,
+                      "frozen_threshold_s": sc.frozen_threshold_s},
+                     with_counters=False)
+
+    threads = [threading.Thread(target=run_agent, args=(a, turns), name=f"agent{a}", daemon=True)
+               for a, turns in enumerate(wl.agents)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    t.sink({"kind": "step", "scenario": "agents", "setup": t.setup, "concurrency": n, "wall_s": wall,
+            "t_start": t0_wall, "turns": len(wl.turns), "frozen_threshold_s": sc.frozen_threshold_s,
+            "hit_min_fraction": sc.hit_min_fraction, "counters": delta(t.counters(), before)})
+    t.note(f"{t.setup}: {n} agents, {len(wl.turns)} turns in {wall:.1f} s")

@@ -1,0 +1,197 @@
+"""The summary of a run (`kvlab report RUN --summary-json`), derived from its raw records.
+
+Schema `kvlab.summary/1`, documented in docs/results-schema.md and validated by the
+pydantic models below. Times are medians (the sweep's: the mean of the chosen rounds,
+as the second seed averages); every median has its sample count beside it; a value is
+null where its scenario did not run for that setup.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvlab.harness import metrics
+from kvlab.harness.metrics import Turn
+
+SCHEMA = "kvlab.summary/1"
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SweepPoint(_M):
+    ttft_s: float | None
+    throughput_tok_s: float | None
+    samples: int = Field(description="rounds averaged")
+    ttft_improvement: float | None = Field(None, description="baseline TTFT / this setup's")
+    throughput_improvement: float | None = Field(None, description="this setup's throughput / baseline's")
+
+
+class AgentsPoint(_M):
+    decode_tok_s_per_agent: float | None
+    returning_turn_hit_share: float | None
+    returning_token_hit_share: float | None
+    returning_ttft_median_s: float | None
+    returning_ttft_p90_s: float | None
+    returning_ttft_p99_s: float | None
+    frozen_answers: int | None
+    wall_s: float | None
+    samples: int = Field(description="returning turns (the TTFT median's and the hit shares' sample)")
+    answers: int
+    errors: int
+    external_hit_tokens: float | None = Field(None, description="vLLM's external prefix-cache hits over the step")
+
+
+class PeakMemory(_M):
+    engine: int | None
+    cache_server: int | None
+
+
+class SetupSummary(_M):
+    skipped: str | None = None
+    errors: list[str] = Field(default_factory=list)
+    io_mode: str | None
+    recompute_ttft_s: float | None
+    recompute_samples: int
+    warm_restore_ttft_s: float | None
+    warm_restore_samples: int
+    restart_restore_ttft_s: float | None
+    restart_restore_samples: int
+    warm_restore_cached_tokens: float | None = None
+    restart_restore_cached_tokens: float | None = None
+    restore_read_bytes: float | None = Field(None, description="connector bytes read per restart restore (median)")
+    sweep: dict[str, SweepPoint]
+    agents: dict[str, AgentsPoint]
+    peak_rss_bytes: PeakMemory
+    peak_pinned_bytes: PeakMemory
+    memory_samples: int
+
+
+class Summary(_M):
+    schema_: str = Field(SCHEMA, alias="schema")
+    run_id: str | None = None
+    campaign: str | None = None
+    setups: dict[str, SetupSummary]
+
+
+def _med(xs: list[float]) -> float | None:
+    return metrics.median(xs)
+
+
+def _restore(recs: list[dict], phase: str) -> list[dict]:
+    return [r for r in recs if r.get("scenario") == "restore" and r.get("phase") == phase and "error" not in r]
+
+
+def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
+                    avg_rounds: tuple[int, int] | None) -> SetupSummary:
+    skipped = next((r["reason"] for r in recs if r.get("kind") == "skip"), None)
+    errors = [r["message"].splitlines()[0][:300] for r in recs if r.get("kind") == "error"]
+    req = [r for r in recs if r.get("kind") == "request"]
+    io = [r["io_mode"] for r in recs if r.get("kind") == "io_mode" and r.get("io_mode")]
+    comp, warm, rest = _restore(req, "compute"), _restore(req, "warm"), _restore(req, "restart")
+
+    # sweep: per length, the mean of the chosen rounds
+    sweep: dict[str, SweepPoint] = {}
+    by_len: dict[int, dict[int, dict]] = defaultdict(dict)
+    for r in req:
+        if r.get("scenario") == "sweep" and "error" not in r:
+            by_len[r["length"]][r["round"]] = r
+    for length in sorted(by_len):
+        rounds = by_len[length]
+        n = max(rounds)
+        first, last = avg_rounds or (1, n)
+        last = min(last, n)
+        chosen = [rounds[i] for i in range(first, last + 1) if i in rounds]
+        if not chosen:
+            sweep[str(length)] = SweepPoint(ttft_s=None, throughput_tok_s=None, samples=0)
+            continue
+        ttft = sum(r["ttft_s"] for r in chosen) / len(chosen)
+        thr = sum(metrics.throughput(r["prompt_tokens"], r["output_tokens"], r["total_s"]) for r in chosen) / len(chosen)
+        b = baseline.sweep.get(str(length)) if baseline else None
+        sweep[str(length)] = SweepPoint(
+            ttft_s=ttft, throughput_tok_s=thr, samples=len(chosen),
+            ttft_improvement=metrics.improvement(b.ttft_s if b else None, ttft, higher_is_better=False),
+            throughput_improvement=metrics.improvement(b.throughput_tok_s if b else None, thr, higher_is_better=True),
+        )
+
+    # agents: per concurrency
+    agents: dict[str, AgentsPoint] = {}
+    steps = {r["concurrency"]: r for r in recs if r.get("kind") == "step" and r.get("scenario") == "agents"}
+    turns_by_n: dict[int, list[dict]] = defaultdict(list)
+    for r in req:
+        if r.get("scenario") == "agents":
+            turns_by_n[r["concurrency"]].append(r)
+    for n in sorted(set(steps) | set(turns_by_n)):
+        rs = turns_by_n.get(n, [])
+        ok = [r for r in rs if "error" not in r]
+        step = steps.get(n, {})
+        threshold = step.get("frozen_threshold_s") or (rs[0].get("frozen_threshold_s") if rs else None)
+        min_frac = step.get("hit_min_fraction", 0.5)
+        turns = [Turn(r["prompt_tokens"], r.get("cached_tokens") or 0, r["reusable_tokens"]) for r in ok]
+        ret_ttft = [r["ttft_s"] for r in ok if r["reusable_tokens"] > 0]
+        per_agent: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
+        for r in ok:
+            per_agent[r["agent"]].append((r["output_tokens"], r["ttft_s"], r["total_s"]))
+        agents[str(n)] = AgentsPoint(
+            decode_tok_s_per_agent=metrics.decode_rate_per_agent(per_agent.values()),
+            returning_turn_hit_share=metrics.turn_hit_share(turns, min_frac),
+            returning_token_hit_share=metrics.token_hit_share(turns),
+            returning_ttft_median_s=_med(ret_ttft),
+            returning_ttft_p90_s=metrics.percentile(ret_ttft, 90) if ret_ttft else None,
+            returning_ttft_p99_s=metrics.percentile(ret_ttft, 99) if ret_ttft else None,
+            frozen_answers=metrics.frozen_answers((r["max_gap_s"] for r in ok), threshold) if threshold else None,
+            wall_s=step.get("wall_s"),
+            samples=len(ret_ttft), answers=len(ok), errors=len(rs) - len(ok),
+            external_hit_tokens=(step.get("counters") or {}).get("external_hits"),
+        )
+
+    mem = [r for r in recs if r.get("kind") == "memory"]
+
+    def peak(key: str) -> int | None:
+        vals = [r[key] for r in mem if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    read = [r["counters"]["connector_read_bytes"] for r in rest if "connector_read_bytes" in (r.get("counters") or {})]
+    return SetupSummary(
+        skipped=skipped, errors=errors, io_mode=io[-1] if io else None,
+        recompute_ttft_s=_med([r["ttft_s"] for r in comp]), recompute_samples=len(comp),
+        warm_restore_ttft_s=_med([r["ttft_s"] for r in warm]), warm_restore_samples=len(warm),
+        restart_restore_ttft_s=_med([r["ttft_s"] for r in rest]), restart_restore_samples=len(rest),
+        warm_restore_cached_tokens=_med([r.get("cached_tokens") or 0 for r in warm]),
+        restart_restore_cached_tokens=_med([r.get("cached_tokens") or 0 for r in rest]),
+        restore_read_bytes=_med(read),
+        sweep=sweep, agents=agents,
+        peak_rss_bytes=PeakMemory(engine=peak("engine_rss_bytes"), cache_server=peak("cache_server_rss_bytes")),
+        peak_pinned_bytes=PeakMemory(engine=peak("engine_pinned_bytes"), cache_server=peak("cache_server_pinned_bytes")),
+        memory_samples=len(mem),
+    )
+
+
+def summarize(records: list[dict], setup_order: list[str], run_id: str | None = None,
+              campaign: str | None = None, avg_rounds: tuple[int, int] | None = None) -> Summary:
+    by_setup: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("setup"):
+            by_setup[r["setup"]].append(r)
+    names = [s for s in setup_order if s in by_setup] + [s for s in by_setup if s not in setup_order]
+    out: dict[str, SetupSummary] = {}
+    # baseline first: the others' improvement factors divide by it
+    if "baseline" in by_setup:
+        out["baseline"] = summarize_setup("baseline", by_setup["baseline"], None, avg_rounds)
+    for s in names:
+        if s != "baseline":
+            out[s] = summarize_setup(s, by_setup[s], out.get("baseline"), avg_rounds)
+    ordered = {s: out[s] for s in names}
+    return Summary(schema=SCHEMA, run_id=run_id, campaign=campaign, setups=ordered)
+
+
+def to_json_obj(s: Summary) -> dict[str, Any]:
+    return s.model_dump(by_alias=True)
+
+
+def validate(obj: dict[str, Any]) -> Summary:
+    return Summary.model_validate(obj)

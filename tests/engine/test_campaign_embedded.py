@@ -1,0 +1,95 @@
+"""A small version of the embedded campaign on the real vLLM CPU engine: raw records, report,
+plots and a summary that validates against kvlab.summary/1 (campaigns/ci-small.yml)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvlab.harness import campaign, results
+from kvlab.harness.report import render_run
+from kvlab.harness.runner import run_campaign
+from kvlab.harness.summary import Summary, validate
+
+ROOT = Path(__file__).resolve().parents[2]
+CI_CAMPAIGN = ROOT / "campaigns" / "ci-small.yml"
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Summary, campaign.Campaign]:
+    c, sha = campaign.load(CI_CAMPAIGN)
+    runs = tmp_path_factory.mktemp("runs")
+    run_dir = run_campaign(c, CI_CAMPAIGN, sha, runs)
+    _, md = render_run(runs / "latest")
+    summary = validate(json.loads((md.parent / "summary.json").read_text()))
+    return run_dir, summary, c
+
+
+def test_every_setup_ran_without_errors(run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    _, s, c = run
+    for name in c.setups:
+        assert s.setups[name].skipped is None
+        assert s.setups[name].errors == [], s.setups[name].errors
+
+
+def test_the_summary_validates_and_has_every_scenario(run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    _, s, c = run
+    assert c.scenarios.restore and c.scenarios.sweep and c.scenarios.agents
+    for name in c.setups:
+        st = s.setups[name]
+        assert st.recompute_samples == 1
+        assert st.warm_restore_samples == c.scenarios.restore.warm_repeats
+        assert st.restart_restore_samples == c.scenarios.restore.restart_repeats
+        first, last = c.scenarios.sweep.average_rounds
+        assert {k: p.samples for k, p in st.sweep.items()} == {str(n): last - first + 1 for n in c.scenarios.sweep.lengths}
+        assert set(st.agents) == {str(n) for n in c.scenarios.agents.concurrency}
+        for p in st.agents.values():
+            assert p.errors == 0 and p.frozen_answers is not None and p.wall_s
+        assert st.peak_rss_bytes.engine and st.peak_rss_bytes.engine > 100 << 20
+        assert st.peak_rss_bytes.cache_server is None
+
+
+def test_kvlab_restores_the_prompt_and_baseline_recomputes_it(run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    _, s, c = run
+    assert c.scenarios.restore
+    chunk = c.engine["kv_chunk_tokens"]
+    whole = c.scenarios.restore.tokens // chunk * chunk
+    k, b = s.setups["kvlab"], s.setups["baseline"]
+    assert k.io_mode == "posix-odirect"
+    assert k.warm_restore_cached_tokens is not None and k.warm_restore_cached_tokens >= whole
+    assert k.restart_restore_cached_tokens is not None and k.restart_restore_cached_tokens >= whole
+    assert b.warm_restore_cached_tokens == 0 and b.restart_restore_cached_tokens == 0
+    assert k.restore_read_bytes and k.restore_read_bytes >= whole * 16384
+    assert k.warm_restore_ttft_s < b.warm_restore_ttft_s
+
+
+def test_the_tier_under_test_serves_the_sweep_and_the_returning_turns(
+        run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    _, s, c = run
+    assert c.scenarios.sweep and not c.scenarios.sweep.prefix_caching
+    longest = str(max(c.scenarios.sweep.lengths))
+    k, b = s.setups["kvlab"], s.setups["baseline"]
+    assert (k.sweep[longest].ttft_improvement or 0) > 1
+    for n, p in k.agents.items():
+        assert p.returning_turn_hit_share and p.returning_turn_hit_share > 0.5, n
+        assert b.agents[n].returning_turn_hit_share == 0  # no prefix caching, no tier: nothing cached
+
+
+def test_the_report_has_every_table_and_plot(run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    run_dir, _, _ = run
+    text = (run_dir / "report" / "report.md").read_text()
+    for heading in ("## Restore", "Mean TTFT", "Total token throughput", "## Agents", "## Memory", "## Provenance"):
+        assert heading in text
+    assert len(list((run_dir / "report").glob("*.png"))) == 6
+
+
+def test_raw_records_and_provenance_are_read_only(run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    run_dir, _, _ = run
+    for name in (results.RECORDS, results.PROVENANCE, results.CAMPAIGN):
+        assert not (os.stat(run_dir / name).st_mode & 0o222), name
+    prov = json.loads((run_dir / results.PROVENANCE).read_text())
+    assert prov["git"]["commit"] and prov["versions"]["vllm"] and prov["model"]["sha256"]
+    assert "--kv-transfer-config" in prov["engine"]["kvlab"]["argv"]

@@ -1,0 +1,120 @@
+"""Campaign files: the shipped ones validate and dry-run; mistakes are one line naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvlab import setups
+from kvlab.cli import main
+from kvlab.harness import campaign
+from kvlab.harness.plan import lives_of, plan, render_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+CAMPAIGNS = sorted((ROOT / "campaigns").glob("*.yml"))
+REQUIRED = ("embedded.yml", "seed-nvme-vs-dram.yml", "seed-lmcache-tiers.yml")
+
+
+def test_the_required_campaigns_ship() -> None:
+    names = {p.name for p in CAMPAIGNS}
+    assert set(REQUIRED) <= names
+
+
+@pytest.mark.parametrize("path", CAMPAIGNS, ids=lambda p: p.name)
+def test_every_campaign_validates_and_plans(path: Path) -> None:
+    c, sha = campaign.load(path)
+    assert len(sha) == 64
+    text = render_plan(c, plan(c, path.parent))
+    assert "estimate: ~" in text
+
+
+def test_dry_run_prints_the_plan_and_an_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["campaign", "run", str(ROOT / "campaigns/seed-nvme-vs-dram.yml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "estimate: ~" in out
+    assert "restore: restart 3/3" in out
+
+
+def base() -> dict:
+    return yaml.safe_load((ROOT / "campaigns/embedded.yml").read_text())
+
+
+def error_of(data: dict) -> str:
+    with pytest.raises(campaign.CampaignError) as e:
+        campaign.parse(data, "c.yml")
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_unknown_field_names_the_field() -> None:
+    d = base()
+    d["scenarios"]["sweep"]["roundz"] = 3
+    assert error_of(d).startswith("c.yml: scenarios.sweep.roundz: unknown field")
+
+
+def test_rounds_averaged_must_lie_within_the_rounds() -> None:
+    d = base()
+    d["scenarios"]["sweep"]["rounds"] = 5
+    msg = error_of(d)
+    assert "scenarios.sweep" in msg and "average_rounds [2, 9]" in msg
+
+
+def test_unknown_setup_lists_the_registered_ones() -> None:
+    d = base()
+    d["setups"] = ["kvlab", "lmcache-ram-only"]
+    msg = error_of(d)
+    assert "setups" in msg and "lmcache-ram-only" in msg and "baseline" in msg
+
+
+def test_engine_parameters_the_harness_sets_are_refused() -> None:
+    d = base()
+    d["engine"] = {"port": 9000}
+    assert "set by the harness" in error_of(d)
+    d["engine"] = {"max_num_batched_tokenz": 1}
+    assert "unknown engine parameter" in error_of(d)
+
+
+def test_missing_required_field() -> None:
+    d = base()
+    del d["model"]
+    assert error_of(d) == "c.yml: model: required field missing: add it"
+
+
+def test_a_cli_mistake_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.yml"
+    bad.write_text("name: x\nsetups: [kvlab]\n")
+    assert main(["campaign", "validate", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(bad) in err
+
+
+def test_a_setup_for_another_device_is_skipped_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu_only = setups.Setup(name="gpu-only-test", description="t", devices=("cuda",), kv_transfer=lambda p: None)
+    monkeypatch.setitem(setups.REGISTRY, "gpu-only-test", gpu_only)
+    d = base()
+    d["setups"] = ["kvlab", "gpu-only-test"]
+    c = campaign.parse(d)
+    plans = {p.setup: p for p in plan(c)}
+    assert plans["kvlab"].runs
+    assert not plans["gpu-only-test"].runs
+    assert "runs on cuda" in (plans["gpu-only-test"].reason or "")
+    assert "gpu-only-test: SKIPPED" in render_plan(c, list(plans.values()))
+
+
+def test_engine_lives_are_grouped_by_prefix_caching_restore_first() -> None:
+    c = campaign.parse(base())
+    assert lives_of(c) == [(False, ["restore", "sweep", "agents"])]
+    d = base()
+    d["scenarios"]["restore"]["prefix_caching"] = True
+    assert lives_of(campaign.parse(d)) == [(True, ["restore"]), (False, ["sweep", "agents"])]
+
+
+def test_embedded_campaign_is_sized_for_this_machine() -> None:
+    c, _ = campaign.load(ROOT / "campaigns/embedded.yml")
+    total = sum(s.est_s for p in plan(c) for s in p.steps)
+    assert total <= 15 * 60
+    assert set(c.setups) == {"baseline", "kvlab", "vllm-example"}
+    assert c.scenarios.restore and c.scenarios.sweep and c.scenarios.agents
