@@ -19,7 +19,7 @@ setup: ## create .venv from requirements.lock (hashes checked) and install kvlab
 
 demo: setup ## the main job on the embedded default: build the tiny model, run the embedded campaign
 	$(KVLAB) model tiny
-	$(KVLAB) demo
+	$(KVLAB) campaign run campaigns/embedded.yml
 
 test: setup ## run the test tiers (unit, engine, testbed; lab skips without hardware)
 	$(PYTEST) tests
