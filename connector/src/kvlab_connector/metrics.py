@@ -59,3 +59,14 @@ def inc(name: str, value: float = 1) -> None:
     m = metrics()
     if m is not None and value:
         m[name].inc(value)
+
+
+def observe_io(seconds: float, read_bytes: int = 0, written_bytes: int = 0) -> None:
+    m = metrics()
+    if m is None:
+        return
+    m["io_latency"].observe(seconds)
+    if read_bytes:
+        m["bytes_read"].inc(read_bytes)
+    if written_bytes:
+        m["bytes_written"].inc(written_bytes)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import xxhash
 
+from kvlab_connector import metrics
 from kvlab_connector.io_posix import PosixEngine, supports_o_direct
 from kvlab_connector.ring import PAGE, align_up
 
@@ -233,6 +234,7 @@ class Store:
                     self.stats.read_s += dt
                 else:
                     self.stats.sections_failed += 1
+            metrics.observe_io(dt, read_bytes=shape.stride if ok else 0)
             out.set_result(ok)
 
         inner.add_done_callback(done)
@@ -261,6 +263,7 @@ class Store:
         if xxhash.xxh3_64_intdigest(buf[:shape.section_bytes]) != t_sum:
             with self._lock:
                 self.stats.checksum_failures += 1
+            metrics.inc("checksum_failures")
             return False
         return True
 
@@ -322,6 +325,7 @@ class Store:
             with self._lock:
                 self.stats.evictions += 1
                 self.stats.evicted_bytes += size
+            metrics.inc("evictions")
         return used
 
     def rebuild(self) -> ScanResult:
@@ -503,6 +507,7 @@ class ObjectWriter:
                 if ok:
                     store.stats.bytes_written += self.shape.stride
                     store.stats.write_s += dt
+            metrics.observe_io(dt, written_bytes=self.shape.stride if ok else 0)
             on_done(ok)
             self._section_done(ok)
 

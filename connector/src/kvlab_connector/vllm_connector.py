@@ -52,6 +52,7 @@ class KvlabConnector(KVConnectorBase_V1):
         self.num_blocks = int(kv_cache_config.num_blocks)
         self._scheduler: SchedulerSide | None = None
         self._worker = None
+        self._last_counters: dict[str, Any] = {}
         if role == KVConnectorRole.SCHEDULER:
             scan = self.store.rebuild()
             log.info(
@@ -97,6 +98,26 @@ class KvlabConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.store.close()
+
+    def get_kv_connector_stats(self) -> Any:
+        if self._worker is None:
+            return None
+        from kvlab_connector.vllm_stats import KvlabStats, delta
+
+        now = self._worker.counters()
+        stats = KvlabStats(data=delta(now, self._last_counters))
+        self._last_counters = now
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        from kvlab_connector.vllm_stats import KvlabStats
+
+        stats = KvlabStats()
+        stats.reset()
+        if data:
+            stats.data.update(data)
+        return stats
 
     # ---- scheduler ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

@@ -80,6 +80,7 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._writers: dict[str, tuple[ObjectWriter, int]] = {}
         self.saves_dropped = 0
+        self.load_error_blocks = 0
         self.hit_blocks = 0
 
     # ---- set-up ---------------------------------------------------------------------
@@ -262,6 +263,7 @@ class WorkerSide:
         self._finish_load()
         errors, self._load_errors = self._load_errors, set()
         if errors:
+            self.load_error_blocks += len(errors)
             metrics.inc("load_errors", len(errors))
             log.warning("kvlab connector: %d blocks failed to load; vLLM recomputes them", len(errors))
         return errors
@@ -278,11 +280,13 @@ class WorkerSide:
             entry = self._writers.get(chunk.key)
             if entry is None:
                 if layer != 0:
-                    continue  # dropped at an earlier layer
+                    continue  # the step began before this chunk was planned
                 writer = self.store.begin_write(self.ns, chunk.key, self.shape, self.layout.chunk_tokens, self.tag)
                 entry = (writer, 0)
                 self._writers[chunk.key] = entry
             writer, submitted = entry
+            if submitted < 0:
+                continue  # dropped at an earlier layer
             try:
                 slot = self.ring.acquire(timeout_s=self.config.save_slot_wait_s)
             except RingFull:
@@ -290,9 +294,6 @@ class WorkerSide:
                 self._writers[chunk.key] = (writer, -1)
                 self.saves_dropped += 1
                 metrics.inc("saves_dropped")
-                continue
-            if submitted < 0:
-                self.ring.release(slot)
                 continue
             dst = self._slot_tensor(slot)
             ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=kv_layer.device)
@@ -314,6 +315,16 @@ class WorkerSide:
             m = metrics.metrics()
             if m is not None:
                 m["ring_in_use"].set(self.ring.in_use)
+
+    def counters(self) -> dict[str, Any]:
+        s = self.store.stats
+        return {
+            "bytes_read": s.bytes_read, "bytes_written": s.bytes_written, "read_s": s.read_s,
+            "write_s": s.write_s, "objects_written": s.objects_written,
+            "checksum_failures": s.checksum_failures, "sections_failed": s.sections_failed,
+            "saves_dropped": self.saves_dropped, "load_error_blocks": self.load_error_blocks,
+            "evictions": s.evictions,
+        }
 
     def stats(self) -> dict[str, Any]:
         s = self.store.stats

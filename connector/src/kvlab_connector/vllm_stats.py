@@ -1,0 +1,37 @@
+"""kvlab's numbers in vLLM's own KV-connector stats (logged with the engine's stats)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS = ("bytes_read", "bytes_written", "read_s", "write_s", "objects_written", "checksum_failures",
+            "sections_failed", "saves_dropped", "load_error_blocks", "evictions")
+
+
+@dataclass
+class KvlabStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {k: 0 for k in COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> KvlabStats:
+        for k, v in other.data.items():
+            if k in COUNTERS:
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {k: d.get(k, 0) for k in COUNTERS if not k.endswith("_s")}
+        out["read_GBps"] = round(d.get("bytes_read", 0) / d["read_s"] / 1e9, 3) if d.get("read_s") else 0.0
+        out["write_GBps"] = round(d.get("bytes_written", 0) / d["write_s"] / 1e9, 3) if d.get("write_s") else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k) for k in COUNTERS)
+
+
+def delta(now: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    return {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}

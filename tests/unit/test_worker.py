@@ -1,0 +1,141 @@
+"""The connector's worker side on real tensors: layer-wise loads, saves, timeouts, drops."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvlab_connector.config import ConnectorConfig
+from kvlab_connector.io_posix import PosixEngine
+from kvlab_connector.layout import Layout
+from kvlab_connector.scheduler import ChunkIO, StepMetadata
+from kvlab_connector.store import Store
+from kvlab_connector.worker import WorkerSide
+
+LAYERS, BLOCKS, HEADS, BS, HD = 3, 16, 2, 16, 8  # CPU layout: [blocks, heads, block_size, 2*head_dim]
+CHUNK = 32  # two blocks per chunk
+
+
+def layout() -> Layout:
+    block_bytes = HEADS * BS * 2 * HD * 4
+    return Layout(tuple(f"layers.{i}.attn" for i in range(LAYERS)), BS, block_bytes, CHUNK, "spec", "cpu",
+                  "fp", 1, False)
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.attn": torch.randn(BLOCKS, HEADS, BS, 2 * HD, generator=g) for i in range(LAYERS)}
+
+
+def worker(tmp_path: Path, engine: PosixEngine | None = None, **cfg) -> tuple[WorkerSide, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    config = ConnectorConfig.from_extra({"paths": [str(tmp_path / "d0"), str(tmp_path / "d1")],
+                                         "ring_bytes": 1 << 20, "chunk_tokens": CHUNK, **cfg})
+    store = Store(config.paths, 1 << 30, engine=engine)
+    w = WorkerSide(config, layout(), store, rank=0)
+    kv = kv_caches(seed=1)
+    w.register_kv_caches(kv, BLOCKS)
+    return w, kv
+
+
+def save(w: WorkerSide, kv: dict[str, torch.Tensor], chunks: list[ChunkIO]) -> None:
+    meta = StepMetadata(saves=chunks)
+    for name, t in kv.items():
+        w.save_layer(name, t, meta)
+    w.end_step()
+    deadline = time.monotonic() + 10
+    while w.store.stats.objects_written < len(chunks) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def load(w: WorkerSide, kv: dict[str, torch.Tensor], chunks: list[ChunkIO]) -> set[int]:
+    w.start_load(StepMetadata(loads=chunks))
+    for name in kv:
+        w.wait_for_layer(name)
+    return w.take_load_errors()
+
+
+def test_saved_chunks_load_back_into_other_blocks(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3]), ChunkIO("b" * 32, [7, 5])])
+    assert w.store.stats.objects_written == 2
+    before = {n: t.clone() for n, t in kv.items()}
+    for t in kv.values():
+        t.zero_()
+    errors = load(w, kv, [ChunkIO("a" * 32, [10, 11]), ChunkIO("b" * 32, [12, 13])])
+    assert errors == set()
+    for n in kv:
+        assert torch.equal(kv[n][[10, 11, 12, 13]], before[n][[2, 3, 7, 5]])
+        assert torch.count_nonzero(kv[n][:10]) == 0, "blocks outside the load stay untouched"
+
+
+def test_blocks_the_engine_already_holds_are_left_alone(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    for t in kv.values():
+        t[9].fill_(7.0)
+    errors = load(w, kv, [ChunkIO("a" * 32, [-1, 8])])
+    assert errors == set()
+    for t in kv.values():
+        assert torch.all(t[9] == 7.0) and torch.equal(t[8], t[3])
+
+
+def test_missing_object_reports_its_blocks(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    assert load(w, kv, [ChunkIO("c" * 32, [4, 5])]) == {4, 5}
+
+
+class SlowEngine(PosixEngine):
+    """A drive whose reads hang (a dead NVMe-oF path): they finish long after the deadline."""
+
+    def submit_read(self, fd: int, buf: memoryview, offset: int) -> Future[int]:
+        def slow() -> int:
+            time.sleep(1.5)
+            return super(SlowEngine, self).submit_read(fd, buf, offset).result()
+
+        return self._pool.submit(slow)
+
+
+def test_a_hung_drive_becomes_load_errors_not_a_hung_engine(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    slow, _ = worker(tmp_path, engine=SlowEngine(4), load_timeout_s=0.3)
+    kv2 = kv_caches(seed=2)
+    slow.register_kv_caches(kv2, BLOCKS)
+    target = {n: t[[6, 7]].clone() for n, t in kv2.items()}
+    t0 = time.monotonic()
+    errors = load(slow, kv2, [ChunkIO("a" * 32, [6, 7])])
+    assert time.monotonic() - t0 < 1.4, "the wait must end at the deadline"
+    assert errors == {6, 7}
+    time.sleep(2.0)  # the late reads land now: they must not touch blocks handed to recompute
+    for n, t in kv2.items():
+        assert torch.equal(t[[6, 7]], target[n])
+
+
+def test_full_ring_drops_saves_and_counts_them(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    assert w.ring is not None
+    held = [w.ring.acquire() for _ in range(w.ring.num_slots)]
+    save(w, kv, [ChunkIO("d" * 32, [1, 2])])
+    assert w.saves_dropped == 1 and w.store.stats.objects_written == 0
+    for s in held:
+        w.ring.release(s)
+    assert not w.store.exists(w.ns, "d" * 32, w.shape)
+
+
+@pytest.mark.parametrize("bad", ["drop", "shape"])
+def test_layout_mismatch_is_refused(tmp_path: Path, bad: str) -> None:
+    config = ConnectorConfig.from_extra({"paths": [str(tmp_path / "d0")], "chunk_tokens": CHUNK})
+    w = WorkerSide(config, layout(), Store(config.paths, 1 << 30), rank=0)
+    kv = kv_caches(seed=1)
+    if bad == "drop":
+        kv.pop("layers.1.attn")
+        match = "no KV tensor"
+    else:
+        kv = {n: torch.zeros(BLOCKS, HEADS, BS, HD) for n in kv}
+        match = "holds"
+    with pytest.raises(RuntimeError, match=match):
+        w.register_kv_caches(kv, BLOCKS)
