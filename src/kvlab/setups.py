@@ -249,3 +249,4 @@ def get(name: str) -> Setup:
 
 def render(name: str, params: EngineParams) -> Deployment:
     return get(name).render(params)
+from kvlab import setups_lmcache  # noqa: E402,F401
