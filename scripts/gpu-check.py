@@ -1,16 +1,17 @@
 """One GPU, no vLLM: the connector's store restores objects into GPU memory through kvikio.
 
 Writes objects with kvlab's store (striped, checksummed, committed), then restores every
-section straight into GPU memory with kvikio (GDS where nvidia-fs is loaded, its compat
-mode otherwise: reported, not hidden), proves every byte equal to what was written, and
-compares the GB/s with a pinned-host -> device copy of the same bytes. The store's own
-POSIX read path (host memory, checksums verified) runs over the same objects for a third
-number. Prints a summary and one JSON line; writes the JSON to --out (or $OUT/gpu-check.json).
+section straight into GPU memory with kvikio: GDS where nvidia-fs is loaded, its compat mode
+otherwise (reported from the connector's own probe, io_gds.probe_gds, never hidden). Proves
+every byte equal to what was written and compares the GB/s with a pinned-host -> device
+copy of the same bytes; the store's own POSIX read path (host memory, checksums verified)
+runs over the same objects for a third number. Prints a summary and one JSON line; writes
+the JSON to --out (or $OUT/gpu-check.json).
 
-The restore calls kvikio.CuFile.pread at the store's own placement (Store.placement /
-Store.fragment_path). When kvlab_connector.io_gds lands, `restore_gpu` is the place to call
-its engine instead (expected: GdsEngine(threads).submit_read(fd, cuda_buffer, offset) ->
-Future[int], the io_posix interface with a device buffer).
+The restore calls kvikio.CuFile.pread at the store's own placement (Store.placement,
+Store.fragment_path). When kvlab_connector.io_gds grows its engine, `restore_gpu` is the
+place to call it instead (expected: the io_posix interface with a device buffer,
+submit_read(fd, cuda_buffer, offset) -> Future[int]).
 
 Exit status: 0 verified, 1 a byte or checksum differs, 2 no usable GPU or store folder.
 """
@@ -22,22 +23,10 @@ import hashlib
 import json
 import mmap
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-PROBE = r"""
-import json, kvikio, kvikio.defaults, kvikio.cufile_driver as d
-out = {"kvikio": kvikio.__version__, "compat_mode_setting": str(kvikio.defaults.get("compat_mode"))}
-for name in ("is_gds_available", "allow_compat_mode", "major_version", "minor_version"):
-    try:
-        out[name] = d.get(name)
-    except Exception as e:  # a property this libcufile lacks
-        out[name] = f"unavailable: {e}"
-print(json.dumps(out))
-"""
 
 
 def fail(code: int, msg: str) -> None:
@@ -54,20 +43,6 @@ def fstype(path: Path) -> str:
             if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, kind = mnt, typ
     return kind
-
-
-def probe_cufile(timeout_s: float) -> dict:
-    """Ask kvikio/cuFile what it can do, in a subprocess: libcufile can spin forever in
-    cuFileDriverOpen on some hosts, so a hang costs a timeout, not the check."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=timeout_s
-        )
-    except subprocess.TimeoutExpired:
-        return {"probe": f"cuFile driver probe hung for {timeout_s:.0f} s: forcing kvikio's compat mode"}
-    if proc.returncode != 0:
-        return {"probe": f"cuFile driver probe failed: {proc.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"probe": "ok"}
 
 
 def key_of(i: int) -> str:
@@ -254,21 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         }
         cufile_cls = PosixCuFile
     else:
+        from kvlab_connector.io_gds import probe_gds
+
         os.environ.setdefault("KVIKIO_NTHREADS", str(args.threads))
-        cufile = probe_cufile(60)
-        if cufile["probe"] != "ok":
+        probe = probe_gds(60)  # the connector's own probe: a subprocess, so a cuFile hang costs a timeout
+        if probe.mode != "gds":
+            # No GDS here: say so, and keep kvikio from opening the cuFile driver at all.
             os.environ["KVIKIO_COMPAT_MODE"] = "ON"
         import kvikio
         import kvikio.defaults
 
-        compat_setting = str(kvikio.defaults.get("compat_mode"))
-        gds = (
-            cufile.get("is_gds_available") is True
-            and report["nvidia_fs_loaded"]
-            and not compat_setting.endswith("ON")
-        )
-        report |= {"cufile": cufile, "kvikio": kvikio.__version__, "compat_mode_setting": compat_setting}
-        report["io_mode"] = "gds" if gds else "compat"
+        report |= {
+            "cufile": probe.detail | {"reason": probe.reason},
+            "kvikio": kvikio.__version__,
+            "compat_mode_setting": str(kvikio.defaults.get("compat_mode")),
+            "io_mode": probe.mode or "gds-compat",
+        }
         cufile_cls = kvikio.CuFile
 
     tmp = None
