@@ -1,8 +1,9 @@
 # Runs inside the image's chroot (mmdebstrap --customize-hook), /bin/sh -eu.
 # Services the testbed needs at boot; the roles configure the rest over SSH.
 systemctl enable systemd-networkd.service kvlab-guest-init.service ssh.service
-systemctl mask systemd-networkd-wait-online.service apt-daily.timer apt-daily-upgrade.timer \
-    e2scrub_all.timer fstrim.timer
+systemctl mask apt-daily.timer apt-daily-upgrade.timer e2scrub_reap.service \
+    e2scrub_all.timer fstrim.timer modprobe@drm.service modprobe@efi_pstore.service \
+    serial-getty@ttyS0.service getty@tty1.service
 passwd --lock root
 : > /etc/resolv.conf
 # initramfs-tools honours SOURCE_DATE_EPOCH: the initrd is reproducible.

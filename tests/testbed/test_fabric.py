@@ -47,7 +47,9 @@ def test_check_diff_mode_is_clean(testbed, deployed):
 
 
 def test_verify_suites_pass(testbed, deployed, tmp_path):
-    env = dict(os.environ, KVLAB_INFRA_RECORD=str(tmp_path), ANSIBLE_NOCOLOR="1")
+    env = dict(os.environ, KVLAB_INFRA_RECORD=str(tmp_path), ANSIBLE_NOCOLOR="1",
+               ANSIBLE_CONFIG=str(tb.paths.repo_root() / "ansible.cfg"),
+               PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/infra", "-m", "infra", "-p", "no:cacheprovider", "-q",
          "--hosts=ansible://all", f"--ansible-inventory={testbed.inventory}"],

@@ -118,7 +118,7 @@ def up(
     name: str = "default",
     transport: str = "rdma",
     inventory_path: Path | None = None,
-    boot_timeout: float = 300.0,
+    boot_timeout: float = 600.0,
     log=print,
 ) -> State:
     if transport not in TRANSPORTS:

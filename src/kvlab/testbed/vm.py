@@ -96,12 +96,12 @@ def qemu_command(
     )
     cmd = [
         "qemu-system-x86_64", "-name", spec.name, "-nodefaults", "-no-user-config",
-        "-machine", "pc", "-accel", "tcg,tb-size=256", "-cpu", "max",
+        "-machine", "pc", "-accel", "tcg,tb-size=256", "-cpu", os.environ.get("KVLAB_TESTBED_CPU", "qemu64"),
         "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
         "-display", "none", "-vga", "none",
         "-kernel", str(image_dir / "vmlinuz"), "-initrd", str(image_dir / "initrd.img"),
-        "-append", f"root=/dev/vda rw console=ttyS0,115200 net.ifnames=0 systemd.hostname={spec.name} "
-                   "panic=-1 systemd.show_status=auto",
+        "-append", f"root=LABEL=kvlab-root rw console=ttyS0,115200 net.ifnames=0 systemd.hostname={spec.name} "
+                   "panic=-1 quiet systemd.show_status=error",
         "-drive", f"file={machine_dir / 'root.qcow2'},if=virtio,format=qcow2,cache=unsafe,discard=unmap",
         "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22",
         "-device", f"virtio-net-pci,netdev=mgmt,mac={spec.mgmt_mac}",
@@ -114,8 +114,8 @@ def qemu_command(
         "-pidfile", str(machine_dir / "qemu.pid"),
     ]  # fmt: skip
     if spec.data_disk_mib:
-        cmd += ["-drive", f"file={machine_dir / 'data0.raw'},if=virtio,format=raw,cache=unsafe,"
-                          f"serial=kvlab-{spec.name}-data0"]
+        cmd += ["-drive", f"file={machine_dir / 'data0.raw'},if=none,id=data0,format=raw,cache=unsafe",
+                "-device", f"virtio-blk-pci,drive=data0,serial=kvlab-{spec.name}-data0"]
     return cmd
 
 
