@@ -208,7 +208,7 @@ class Campaign(_Strict):
             raise ValueError("scenarios: give at least one of restore, sweep, agents")
         return self
 
-    def max_prompt_tokens(self) -> int:
+    def max_prompt_tokens(self, base: Path | None = None) -> int:
         """The longest prompt any scenario sends (bounds max_model_len and the batch)."""
         from kvlab.harness.sessions import agent_max_prompt_tokens
 
@@ -219,7 +219,7 @@ class Campaign(_Strict):
         if s.sweep:
             n = max(n, *s.sweep.lengths)
         if s.agents:
-            n = max(n, agent_max_prompt_tokens(s.agents.source))
+            n = max(n, agent_max_prompt_tokens(s.agents.source, base))
         return n
 
 

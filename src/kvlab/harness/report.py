@@ -133,7 +133,7 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
         ("First token of a returning turn, p99, s", lambda p: f3(p.returning_ttft_p99_s, 2)),
         (f"Answers frozen for more than {threshold} s", lambda p: "—" if p.frozen_answers is None else str(p.frozen_answers)),
         ("Wall time of the step, s", lambda p: f3(p.wall_s, 1)),
-        ("Answers (returning) / errors", lambda p: f"{p.answers} ({p.samples}) / {p.errors}"),
+        ("Answers · returning · failed", lambda p: f"{p.answers}·{p.samples}·{p.errors}"),
         ("External prefix-cache hits, tokens", lambda p: f3(p.external_hit_tokens, 0)),
     ]
     out = [f"At N = {' / '.join(map(str, ns))} concurrent agents.", "",
@@ -334,9 +334,13 @@ def render(runs: list[RunData], out: Path) -> Path:
     lines += ["## Restore: one long prompt", ""]
     tokens = {((r.campaign.get("scenarios") or {}).get("restore") or {}).get("tokens") for r in runs} - {None}
     if tokens:
+        rs = [((r.campaign.get("scenarios") or {}).get("restore") or {}) for r in runs]
+        warm = ("after a prefix-cache reset on the running engine" if all(x.get("prefix_caching", True) for x in rs)
+                else "the prompt again on the running engine, whose own prefix caching is off (so it comes "
+                "from the tier under test)")
         lines += [f"Prompt of {', '.join(map(str, sorted(tokens)))} tokens; TTFT at the client (median, ×samples). "
-                  "Warm: after a prefix-cache reset on the running engine. After restart: the first request "
-                  "to a restarted engine (page cache dropped).", ""]
+                  f"Recompute: the first request. Warm: {warm}. After restart: the first request to a restarted "
+                  "engine (page cache dropped while it was down).", ""]
         lines += restore_table(cols)
     else:
         lines.append("No restore ran.")

@@ -112,7 +112,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
     run_id = results.new_run_id(c.name)
     writer = results.RunWriter(runs_dir, run_id)
     writer.write_once(results.CAMPAIGN, campaign_path.read_bytes())
-    max_prompt = c.max_prompt_tokens()
+    max_prompt = c.max_prompt_tokens(base)
     work_root = state_dir() / "campaigns" / run_id
     traces = {}
     if c.scenarios.agents and c.scenarios.agents.source.mooncake:
