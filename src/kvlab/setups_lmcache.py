@@ -36,8 +36,10 @@ from kvlab.setups import (
 )
 
 CHUNK_TOKENS = 256  # LMCache's chunk size, engine and cache server alike
-# Printed by LMCache's connector factory when the device has no KV connector.
-DEGRADED_MARKERS = ("No supported cpu connector found",)
+# What LMCache prints when its in-process connector gives up at start and lets vLLM
+# recompute: the connector factory's error on a device it has no path for, and its
+# manager's "degraded mode" line, whatever the cause.
+DEGRADED_MARKERS = ("No supported cpu connector found", "will operate in degraded mode (recompute)")
 GUARD_EXIT = 78
 # Not `-m kvlab.setups_lmcache`: that would run this module a second time, as __main__,
 # and register every setup twice.
