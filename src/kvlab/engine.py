@@ -7,7 +7,6 @@ EngineError with the tail of its log, never a silent hang.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -21,6 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.setups import Deployment, ProcessSpec
+from kvlab_connector.osutil import drop_page_cache
+
+__all__ = ["EngineError", "EngineServer", "ManagedProcess", "drop_page_cache", "log_tail", "metric_sum",
+           "parse_prometheus", "running"]
 
 
 class EngineError(RuntimeError):
@@ -237,18 +240,3 @@ def running(deployment: Deployment, log_dir: Path, progress: bool = False) -> It
         yield server
     finally:
         server.stop()
-
-
-def drop_page_cache() -> bool:
-    """Drop the kernel's page cache so that a restore reads the drives; False if not allowed."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def dump_json(obj: object) -> str:
-    return json.dumps(obj, sort_keys=True)

@@ -37,8 +37,10 @@ class StagingRing:
         # Fault every page in now: the ring's memory is paid once, at start, and O_DIRECT
         # into a pre-faulted buffer runs at the drive's speed.
         view = memoryview(self._map)
-        for off in range(0, self.ring_bytes, PAGE):
-            view[off] = 0
+        zeros = bytes(1 << 20)
+        for off in range(0, self.ring_bytes, len(zeros)):
+            n = min(len(zeros), self.ring_bytes - off)
+            view[off:off + n] = zeros[:n]
         self._view = view
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._cond = threading.Condition()

@@ -39,6 +39,7 @@ import xxhash
 
 from kvlab_connector import metrics
 from kvlab_connector.io_posix import PosixEngine, supports_o_direct
+from kvlab_connector.osutil import pid_alive
 from kvlab_connector.ring import PAGE, align_up
 
 ROOT_NAME = "kvlab-v1"
@@ -364,7 +365,7 @@ class Store:
                             rec[4].append(e.path)
                         elif clean and name.endswith(".tmp"):
                             t = _TMP_RE.match(name)
-                            if t is None or not _pid_alive(int(t.group(5))) or now - _mtime(e.path) > 600:
+                            if t is None or not pid_alive(int(t.group(5))) or now - _mtime(e.path) > 600:
                                 _unlink(e.path)
                                 removed += 1
         entries = []
@@ -432,16 +433,6 @@ def _mtime(path: str) -> float:
         return os.stat(path).st_mtime
     except OSError:
         return 0.0
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ObjectWriter:
