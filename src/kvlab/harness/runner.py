@@ -209,6 +209,10 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
                             progress.advance(p.setup, f"agents: N={n}")
                             wl = workload(sc.agents.source, n, c.seed, f"agents-{n}", base)
                             scenarios.agents(target, sc.agents, n, wl)
+                if mode is None:  # a connector may serve its metrics only once it has done I/O
+                    mode = target.io_mode()
+                    if mode is not None:
+                        writer.append({"kind": "io_mode", "setup": p.setup, "io_mode": mode})
                 sampler.phase = "stop"
                 progress.advance(p.setup, "engine stop")
         except (EngineError, OSError) as e:
