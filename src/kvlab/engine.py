@@ -52,7 +52,7 @@ class ManagedProcess:
         return self.popen.pid if self.popen else None
 
     def start(self) -> None:
-        if self.popen and self.popen.poll() is None:
+        if self.alive():
             raise EngineError(f"{self.name} is already running (pid {self.popen.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = os.environ.copy() | self.spec.env
@@ -65,7 +65,16 @@ class ManagedProcess:
             )
 
     def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
+        return self.popen is not None and not _exited(self.popen.pid)
+
+    def exit_code(self) -> int | None:
+        if self.popen is None:
+            return None
+        try:
+            info = os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return self.popen.returncode
+        return info.si_status if info else None
 
     def wait_ready(self, timeout_s: float, progress: bool = False) -> float:
         """Wait until the process serves; returns seconds waited."""
@@ -73,11 +82,16 @@ class ManagedProcess:
         last_note = t0
         while True:
             if not self.alive():
-                code = self.popen.returncode if self.popen else None
+                code = self.exit_code()
+                self.stop()
                 raise EngineError(
                     f"{self.name} exited with code {code} before it was ready; log {self.log_path}:\n"
                     f"{log_tail(self.log_path)}"
                 )
+            if _start_failed(self.log_path):
+                # vLLM's API server can outlive a failed engine core: do not wait it out.
+                self.stop()
+                raise EngineError(f"{self.name} failed to start; log {self.log_path}:\n{log_tail(self.log_path, 60)}")
             if self._ready():
                 return time.monotonic() - t0
             now = time.monotonic()
@@ -105,24 +119,54 @@ class ManagedProcess:
         return True
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the process group, then SIGKILL what is left; never leaves orphans."""
+        """SIGTERM the process group, then SIGKILL what is left; never leaves orphans.
+
+        The leader is reaped last: until then its PID, and so the group id, cannot be
+        reused (PIDs wrap quickly on a busy machine), so a signal to the group can only
+        reach this engine's own processes."""
         if self.popen is None:
             return
         pgid = self.popen.pid  # start_new_session: the group id is the leader's pid
-        if self.popen.poll() is None:
+        if self.popen.returncode is None:
             _signal_group(pgid, signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        # Workers of the engine share the group: kill any that outlived the leader.
-        _signal_group(pgid, signal.SIGKILL)
+            _wait_exited(pgid, grace_s)
+            # Workers of the engine share the group: kill any that outlived the leader.
+            _signal_group(pgid, signal.SIGKILL)
+            _wait_exited(pgid, 10)
+            _wait_group_gone(pgid, 10)
         try:
             self.popen.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-        _wait_group_gone(pgid, 10)
         self.popen = None
+
+
+_START_FAILURES = (b"EngineCore failed to start", b"Engine core initialization failed")
+
+
+def _start_failed(log_path: Path) -> bool:
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            tail = f.read()
+    except OSError:
+        return False
+    last_start = tail.rfind(b"\n=== start ")
+    return any(m in tail[last_start:] for m in _START_FAILURES)
+
+
+def _exited(pid: int) -> bool:
+    """Whether the child has exited, without reaping it (WNOWAIT keeps its PID ours)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True  # already reaped
+
+
+def _wait_exited(pid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not _exited(pid):
+        time.sleep(0.1)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -132,13 +176,25 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of a group, the (zombie) leader aside."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == pgid:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp, ...
+            members.append(int(entry.name))
+    return members
+
+
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
+    while _group_members(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
