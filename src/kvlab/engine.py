@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +55,10 @@ class ManagedProcess:
     def start(self) -> None:
         if self.alive():
             raise EngineError(f"{self.name} is already running (pid {self.popen.pid})")
+        port = self.port
+        if port is not None and not _port_free(port):
+            # Readiness is checked on this port: another server there would answer for us.
+            raise EngineError(f"{self.name}: port {port} is in use by another process; stop it or choose another port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = os.environ.copy() | self.spec.env
         with open(self.log_path, "ab") as log:
@@ -63,6 +68,14 @@ class ManagedProcess:
                 list(self.spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
+
+    @property
+    def port(self) -> int | None:
+        if self.spec.ready_port:
+            return self.spec.ready_port
+        if self.spec.ready_url:
+            return urllib.parse.urlparse(self.spec.ready_url).port
+        return None
 
     def alive(self) -> bool:
         return self.popen is not None and not _exited(self.popen.pid)
@@ -174,6 +187,16 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _group_members(pgid: int) -> list[int]:
