@@ -198,7 +198,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     me = s.add_parser("memory", help="extra engine RSS with kvlab (1 GiB ring, working set 10x) vs no connector")
     me.add_argument("--ring-mib", type=int, default=1024)
     me.add_argument("--factor", type=int, default=10, help="working set as a multiple of the ring")
-    me.add_argument("--prompt-tokens", type=int, default=2048)
+    me.add_argument("--prompt-tokens", type=int, default=1024)
     me.add_argument("--port", type=int, default=8124)
     me.add_argument("--workdir", type=Path, default=None)
     me.add_argument("--json", action="store_true")
