@@ -107,7 +107,8 @@ class KvlabConnector(KVConnectorBase_V1):
         now = self._worker.counters()
         stats = KvlabStats(data=delta(now, self._last_counters))
         self._last_counters = now
-        return None if stats.is_empty() else stats
+        # An empty interval is reported as such: vLLM keeps showing the last stats it got.
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
