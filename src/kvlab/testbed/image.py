@@ -222,8 +222,7 @@ def _normalize(rootfs: Path, epoch: int) -> None:
         for p in sorted(rootfs.glob(pattern), reverse=True):
             if p.is_symlink() or p.is_file():
                 p.unlink()  # folders stay: services expect them
-    for pyc in sorted(rootfs.rglob("__pycache__")):
-        shutil.rmtree(pyc)
+    # byte-code stays: customize.sh compiles it with --invalidation-mode unchecked-hash (no file times)
     (rootfs / "etc/machine-id").write_text("")  # systemd writes a fresh one on first boot
     # dpkg's and shadow's own times: clamp "last password change" to the epoch day
     shadow = rootfs / "etc/shadow"
