@@ -5,6 +5,7 @@ one) is healthy, and a long prompt comes back from the external store after an e
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from labhelpers import host_name
@@ -30,8 +31,9 @@ print(json.dumps({'ttft_s': time.perf_counter() - t0, 'prompt_tokens': body['usa
 """
 
 
-def unit_name(setup: str) -> str:
-    return f"kvlab-vllm-{setup}.service"
+def unit_name(setup: str, kind: str = "vllm") -> str:
+    """The vllm_server role's unit of a setup (systemd allows no "+": it writes "_")."""
+    return f"kvlab-{kind}-{re.sub(r'[^A-Za-z0-9:_.-]', '_', setup)}.service"
 
 
 def main_pid_argv(host, unit: str) -> list[str]:
@@ -73,7 +75,7 @@ def test_cache_server_healthy_where_deployed(gpu, lab, deployment):
     companion = deployment["companion"]
     if companion is None:
         pytest.skip(f"setup {lab['setup']!r} deploys no cache server on {host_name(gpu)}")
-    unit = f"kvlab-cache-{lab['setup']}.service"
+    unit = unit_name(lab["setup"], "cache")
     assert gpu.service(unit).is_running
     if companion.get("ready_port"):
         assert gpu.socket(f"tcp://{companion['ready_port']}").is_listening

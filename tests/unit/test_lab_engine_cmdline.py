@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,12 @@ ROLE_FIELDS = {
     "vllm_server_kv_store_paths": "kv_store_paths",
     "vllm_server_example_storage_path": "example_storage_path",
 }
+
+
+def unit_file(root: Path, kind: str, setup: str) -> Path:
+    """The unit the role renders for a setup: kind "vllm" (engine) or "cache" (companion);
+    systemd allows no "+" in a unit name, the role writes "_"."""
+    return root / "etc/systemd/system" / f"kvlab-{kind}-{re.sub(r'[^A-Za-z0-9:_.-]', '_', setup)}.service"
 
 
 def run_plan(inventory: Path | str, out: Path, *extra: str) -> Path:
@@ -125,7 +132,10 @@ def embedded_params(tmp: Path) -> setups.EngineParams:
     interpreter <venv>/bin/python; the demo names the one running it (sys.executable), the
     same interpreter under another spelling when started as python3: use the role's."""
     params = demo.engine_params(tmp / "models" / "tiny", tokens=30000, work=tmp / "work", port=8123)
-    return params.with_(python=str(Path(sys.prefix) / "bin" / "python"))
+    # LMCache's disk tiers need a folder for their own files; the demo's setups do not.
+    return params.with_(
+        python=str(Path(sys.prefix) / "bin" / "python"), cache_server_l2_path=str(tmp / "lmcache")
+    )
 
 
 def single_host_inventory(tmp: Path, params: setups.EngineParams, setups_: list[str]) -> Path:
@@ -153,28 +163,36 @@ def single_host_inventory(tmp: Path, params: setups.EngineParams, setups_: list[
 def embedded_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, setups.EngineParams]:
     tmp = tmp_path_factory.mktemp("embedded")
     params = embedded_params(tmp)
-    names = [n for n, s in sorted(setups.REGISTRY.items()) if "cpu" in s.devices]
-    run_plan(single_host_inventory(tmp, params, names), tmp / "plan")
+    run_plan(single_host_inventory(tmp, params, list(COMPARED)), tmp / "plan")
     return tmp / "plan" / "embedded", params
 
 
-CPU_SETUPS = sorted(n for n, s in setups.REGISTRY.items() if "cpu" in s.devices)
+# What `make demo` runs, the baseline, and the first CPU setup with a cache server (the
+# companion's unit too); every setup of the lab's inventory is compared in test_roles_plan.
+_WITH_COMPANION = [
+    n
+    for n, s in sorted(setups.REGISTRY.items())
+    if "cpu" in s.devices
+    and s.companion(setups.EngineParams(model="m", kv_store_paths=("d",), cache_server_l2_path="l2"))
+    is not None
+]
+COMPARED = ("baseline", *demo.SETUPS, *_WITH_COMPANION[:1])
 
 
-@pytest.mark.parametrize("name", CPU_SETUPS)
+@pytest.mark.parametrize("name", COMPARED)
 def test_unit_starts_what_engine_control_starts(embedded_plan, name: str, tmp_path: Path) -> None:
     """`make demo` (engine control) and the lab's unit: the same argv and environment."""
     root, params = embedded_plan
-    argv, env = unit_process(root / f"etc/systemd/system/kvlab-vllm-{name}.service")
+    argv, env = unit_process(unit_file(root, "vllm", name))
     server = EngineServer(setups.render(name, params), tmp_path)
     assert argv == list(server.engine.spec.argv)
     assert env == server.engine.spec.env
     if server.companion:
-        c_argv, c_env = unit_process(root / f"etc/systemd/system/kvlab-cache-{name}.service")
+        c_argv, c_env = unit_process(unit_file(root, "cache", name))
         assert (c_argv, c_env) == (list(server.companion.spec.argv), server.companion.spec.env)
 
 
-@pytest.mark.parametrize("name", CPU_SETUPS)
+@pytest.mark.parametrize("name", COMPARED)
 def test_rendered_deployment_is_the_registrys(embedded_plan, name: str) -> None:
     root, params = embedded_plan
     rendered = json.loads((root / f"etc/kvlab/setups/{name}.json").read_text())

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_lab_engine_cmdline import ROOT, read_unit, run_plan, unit_process
+from test_lab_engine_cmdline import ROOT, read_unit, run_plan, unit_file, unit_process
 
 from kvlab import setups
 
@@ -83,16 +83,26 @@ def test_plan_renders_both_groups(lab_plan: Path) -> None:
             "etc/kvlab/store.json",
             "etc/kvlab/vllm-api.env",
             "etc/systemd/system/kvlab-vllm-kvlab.service",
+            "etc/systemd/system/kvlab-vllm-lmcache-mp_kvlab.service",
+            "etc/systemd/system/kvlab-cache-lmcache-mp_kvlab.service",
         } <= files, host
 
 
 @pytest.mark.parametrize(("host", "name"), CASES)
 def test_unit_is_the_registrys_command_line(lab_plan: Path, host: str, name: str) -> None:
     deployment = setups.render(name, lab_params(host))
-    argv, env = unit_process(lab_plan / host / f"etc/systemd/system/kvlab-vllm-{name}.service")
+    argv, env = unit_process(unit_file(lab_plan / host, "vllm", name))
     assert argv == list(deployment.engine.argv)
     site_env = host_vars(host)["vllm_server_environment"]
     assert env == site_env | deployment.engine.env
+    cache = unit_file(lab_plan / host, "cache", name)
+    if deployment.companion is None:
+        assert not cache.exists()
+    else:
+        assert unit_process(cache) == (list(deployment.companion.argv), site_env | deployment.companion.env)
+        engine = read_unit(unit_file(lab_plan / host, "vllm", name))
+        link = "Wants" if deployment.companion_survives_engine_restart else "BindsTo"
+        assert cache.name in engine[link] and cache.name in engine["After"]
 
 
 @pytest.mark.parametrize(("host", "name"), CASES)
@@ -105,7 +115,7 @@ def test_kv_transfer_config_is_the_registrys(lab_plan: Path, host: str, name: st
     rendered = json.loads(path.read_text())
     assert rendered == deployment.kv_transfer_config
     # and it is the JSON the engine gets on its command line
-    argv, _ = unit_process(lab_plan / host / f"etc/systemd/system/kvlab-vllm-{name}.service")
+    argv, _ = unit_process(unit_file(lab_plan / host, "vllm", name))
     assert json.loads(argv[argv.index("--kv-transfer-config") + 1]) == rendered
 
 
@@ -128,12 +138,19 @@ def test_lab_engines_follow_the_inventory(lab_plan: Path) -> None:
 @pytest.mark.parametrize("host", HOSTS)
 def test_units_wire_storage_secrets_and_exclusion(lab_plan: Path, host: str) -> None:
     v = host_vars(host)
+    root = lab_plan / host
     for name in v["vllm_server_setups"]:
-        unit = read_unit(lab_plan / host / f"etc/systemd/system/kvlab-vllm-{name}.service")
+        unit = read_unit(unit_file(root, "vllm", name))
         assert unit["EnvironmentFile"] == ["/etc/kvlab/vllm-api.env"]
         assert unit["User"] == ["kvlab"]
-        others = {f"kvlab-vllm-{o}.service" for o in v["vllm_server_setups"] if o != name}
-        assert set(unit["Conflicts"]) == others
+        # One setup at a time: it stops every other engine and cache server (same GPUs, ports, RAM).
+        others = {
+            unit_file(root, kind, o)
+            for o in v["vllm_server_setups"]
+            if o != name
+            for kind in ("vllm", "cache")
+        }
+        assert set(unit["Conflicts"]) == {p.name for p in others if p.exists()}
         if name == "kvlab":
             assert unit["RequiresMountsFor"] == [
                 " ".join(f"{m['path']}/kvlab" for m in v["kvlab_nvmeof_mounts"])

@@ -62,6 +62,12 @@ def systemd_escape_arg(value: Any) -> str:
     return f'"{text}"'
 
 
+def systemd_unit_safe(name: str) -> str:
+    """A setup name as a unit name may spell it (systemd allows A-Z a-z 0-9 : _ . - only):
+    'lmcache-mp+kvlab' -> 'lmcache-mp_kvlab'."""
+    return re.sub(r"[^A-Za-z0-9:_.-]", "_", str(name))
+
+
 def systemd_exec(argv: list[Any]) -> str:
     """An ExecStart= value for argv: argv[0] must be an absolute path."""
     if not argv or not str(argv[0]).startswith("/"):
@@ -79,4 +85,5 @@ class FilterModule:
             "kvlab_setup_names": kvlab_setup_names,
             "systemd_escape_arg": systemd_escape_arg,
             "systemd_exec": systemd_exec,
+            "systemd_unit_safe": systemd_unit_safe,
         }
