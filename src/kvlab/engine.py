@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -114,7 +115,7 @@ class ManagedProcess:
                     f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
             if progress and now - last_note > 15:
-                print(f"  … waiting for {self.name} ({now - t0:.0f} s)", flush=True)
+                print(f"  … waiting for {self.name} ({now - t0:.0f} s)", file=sys.stderr, flush=True)
                 last_note = now
             time.sleep(0.25)
 

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,13 +121,14 @@ def ensure_tiny(seed: int = 0, geometry: TinyGeometry = TinyGeometry(), dest: Pa
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.monotonic()
     if not quiet:
-        print(f"building the tiny model (seed {seed}) in {final} …", flush=True)
+        print(f"building the tiny model (seed {seed}) in {final} …", file=sys.stderr, flush=True)
     build_tiny(tmp, seed, geometry)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     if not quiet:
-        print(f"built in {time.monotonic() - t0:.1f} s: {geometry.kv_bytes_per_token} B of KV per token", flush=True)
+        print(f"built in {time.monotonic() - t0:.1f} s: {geometry.kv_bytes_per_token} B of KV per token",
+              file=sys.stderr, flush=True)
     return final
 
 
