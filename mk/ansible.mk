@@ -12,7 +12,7 @@ deploy: setup ## provision inventory=NAME (lab, local, testbed) with playbooks/s
 
 verify: setup ## prove inventory=NAME's datapath with the testinfra suites in tests/infra
 	@test -f $(INVENTORY_FILE) || { echo "verify: no $(INVENTORY_FILE) (for the testbed run 'make testbed' first)"; exit 2; }
-	$(ANSIBLE_ENV) $(PYTEST) tests/infra -m infra --hosts=ansible://all --ansible-inventory=$(INVENTORY_FILE) $(ARGS)
+	$(ANSIBLE_ENV) $(PYTEST) tests/infra -m infra --ansible-inventory=$(INVENTORY_FILE) $(ARGS)
 
 lint-ansible: setup ## ansible-lint (production profile, offline, no skips) over roles and playbooks
 	$(ANSIBLE_ENV) $(VENV)/bin/ansible-lint

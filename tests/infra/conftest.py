@@ -1,8 +1,9 @@
 """testinfra suites: run against the hosts of an Ansible inventory (`make verify inventory=NAME`).
 
 They take every site value from the inventory, rendered by Ansible itself, so the same suites
-verify the VM testbed and the lab. Collected only when pytest is given `--hosts`: against no
-inventory they have nothing to check (the testbed tier runs them against its VMs).
+verify the VM testbed and the lab. Each module names the inventory groups it checks
+(`testinfra_hosts`); pytest must be given `--ansible-inventory` (and no `--hosts`, which would
+override those groups). Without an inventory they have nothing to check and are not collected.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ FACT_EXPR = (
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if not config.getoption("hosts", default=None) and collection_path.suffix == ".py":
+    if not config.getoption("ansible_inventory", default=None) and collection_path.suffix == ".py":
         return True
     return None
 

@@ -8,9 +8,9 @@ pytestmark = pytest.mark.infra
 testinfra_hosts = ["ansible://nvmeof_initiators"]
 
 CONTROLLERS = (
-    "for d in /sys/class/nvme/nvme*; do t=$(cat $d/transport); [ \"$t\" = pcie ] && continue; "
-    "printf '%s|%s|%s|%s|%s|%s|%s\\n' ${d##*/} $t \"$(cat $d/subsysnqn)\" \"$(cat $d/state)\" "
-    "\"$(cat $d/address | tr '\\n' ',')\" \"$(cat $d/ctrl_loss_tmo 2>/dev/null)\" \"$(cat $d/fast_io_fail_tmo 2>/dev/null)\"; done"
+    'for d in /sys/class/nvme/nvme*; do t=$(cat $d/transport); [ "$t" = pcie ] && continue; '
+    'printf \'%s|%s|%s|%s|%s|%s|%s\\n\' ${d##*/} $t "$(cat $d/subsysnqn)" "$(cat $d/state)" '
+    '"$(cat $d/address | tr \'\\n\' \',\')" "$(cat $d/ctrl_loss_tmo 2>/dev/null)" "$(cat $d/fast_io_fail_tmo 2>/dev/null)"; done'
 )
 
 
@@ -87,6 +87,6 @@ def test_o_direct_write_read_verified(host, inv):
             f"set -e; src=$(mktemp); head -c 16M /dev/urandom > $src; "
             f"dd if=$src of={f} bs=1M oflag=direct conv=fsync status=none; "
             f"a=$(sha256sum < $src); b=$(dd if={f} bs=1M iflag=direct status=none | sha256sum); "
-            f"rm -f $src {f}; [ \"$a\" = \"$b\" ] && echo verified"
+            f'rm -f $src {f}; [ "$a" = "$b" ] && echo verified'
         )
         assert host.check_output(cmd) == "verified"

@@ -24,8 +24,8 @@ def rdma_links(host) -> list[dict]:
 
 
 def test_rdma_link_active(host, inv):
-    links = {f"{l['ifname']}": l for l in rdma_links(host)}
-    wanted = [l["name"] for l in inv["rxe_links"]] or list(links)
+    links = {lk["ifname"]: lk for lk in rdma_links(host)}
+    wanted = [rl["name"] for rl in inv["rxe_links"]] or list(links)
     assert wanted, "no RDMA link on a fabric host"
     for name in wanted:
         assert name in links, f"RDMA link {name} missing (have {sorted(links)})"
@@ -59,7 +59,7 @@ def test_no_transport_errors_in_kernel_log(host, inv):
 def test_roce_counters_recorded(host, inv, record_dir):
     out = host.check_output(
         "for f in /sys/class/infiniband/*/ports/*/counters/* /sys/class/infiniband/*/ports/*/hw_counters/*; do "
-        "[ -r \"$f\" ] && printf '%s %s\\n' \"$f\" \"$(cat $f 2>/dev/null)\"; done; true"
+        '[ -r "$f" ] && printf \'%s %s\\n\' "$f" "$(cat $f 2>/dev/null)"; done; true'
     )
     counters = {}
     for line in out.splitlines():

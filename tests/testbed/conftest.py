@@ -48,8 +48,12 @@ class Testbed:
             raise AttributeError(name) from e
 
     def ansible(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-        env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_NOCOLOR="1",
-                   PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+        env = dict(
+            os.environ,
+            ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+            ANSIBLE_NOCOLOR="1",
+            PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        )
         return subprocess.run(
             [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(self.inventory), *args],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
@@ -71,7 +75,9 @@ def testbed(tmp_path_factory) -> Testbed:
     for sub in ("group_vars", "host_vars"):
         (inv_dir / sub).symlink_to(REPO / "inventories" / "testbed" / sub)
     inventory = inv_dir / "hosts.yml"
-    state = tb.up(NAME, transport=transport, inventory_path=inventory, log=lambda m: print(m, file=sys.stderr))
+    state = tb.up(
+        NAME, transport=transport, inventory_path=inventory, log=lambda m: print(m, file=sys.stderr)
+    )
     bed = Testbed(state, inventory)
     try:
         yield bed
@@ -85,6 +91,8 @@ def deployed(testbed) -> subprocess.CompletedProcess:
     """The storage fabric deployed once by the real playbook; later tests build on it."""
     res = testbed.ansible("playbooks/storage.yml")
     if res.returncode != 0:
-        pytest.fail(f"deploy failed (rc {res.returncode}):\n{res.stdout[-6000:]}\n{res.stderr[-2000:]}\n"
-                    f"console logs:\n{testbed.console_logs()}")
+        pytest.fail(
+            f"deploy failed (rc {res.returncode}):\n{res.stdout[-6000:]}\n{res.stderr[-2000:]}\n"
+            f"console logs:\n{testbed.console_logs()}"
+        )
     return res

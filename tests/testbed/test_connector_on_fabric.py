@@ -23,10 +23,16 @@ MOUNT = "/mnt/kvstore0"
 def connector_wheel(tmp_path_factory):
     src = paths.repo_root() / "connector"
     if not (src / "src" / "kvlab_connector" / "cli.py").exists():
-        pytest.fail("connector/src/kvlab_connector/cli.py is missing: the store benchmark has no entry point yet")
+        pytest.fail(
+            "connector/src/kvlab_connector/cli.py is missing: the store benchmark has no entry point yet"
+        )
     out = tmp_path_factory.mktemp("wheel")
-    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
-                         capture_output=True, text=True, check=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     [wheel] = out.glob("kvlab_connector-*.whl")
     return wheel
@@ -41,7 +47,9 @@ def test_store_bench_verifies_on_the_nvmeof_mount(testbed, deployed, connector_w
          "-P", str(port), str(connector_wheel), f"root@127.0.0.1:/tmp/{connector_wheel.name}"],
         check=True, timeout=60,
     )  # fmt: skip
-    node.succeed(f"rm -rf /opt/kvlab-connector && python3 -m zipfile -e /tmp/{connector_wheel.name} /opt/kvlab-connector")
+    node.succeed(
+        f"rm -rf /opt/kvlab-connector && python3 -m zipfile -e /tmp/{connector_wheel.name} /opt/kvlab-connector"
+    )
     node.succeed(f"mountpoint -q {MOUNT} && mkdir -p {MOUNT}/bench")
     out = node.succeed(
         f"cd /tmp && PYTHONPATH=/opt/kvlab-connector python3 -m kvlab_connector.cli bench "

@@ -26,7 +26,9 @@ MOUNT = "/mnt/kvstore0"
 
 
 def recap_changes(output: str) -> dict[str, int]:
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+:\s+ok=\d+\s+changed=(\d+)", output, re.M)}
+    return {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"^(\S+)\s+:\s+ok=\d+\s+changed=(\d+)", output, re.M)
+    }
 
 
 def test_deploy(deployed):
@@ -47,12 +49,16 @@ def test_check_diff_mode_is_clean(testbed, deployed):
 
 
 def test_verify_suites_pass(testbed, deployed, tmp_path):
-    env = dict(os.environ, KVLAB_INFRA_RECORD=str(tmp_path), ANSIBLE_NOCOLOR="1",
-               ANSIBLE_CONFIG=str(tb.paths.repo_root() / "ansible.cfg"),
-               PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        KVLAB_INFRA_RECORD=str(tmp_path),
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_CONFIG=str(tb.paths.repo_root() / "ansible.cfg"),
+        PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}",
+    )
     res = subprocess.run(
         [sys.executable, "-m", "pytest", "tests/infra", "-m", "infra", "-p", "no:cacheprovider", "-q",
-         "--hosts=ansible://all", f"--ansible-inventory={testbed.inventory}"],
+         f"--ansible-inventory={testbed.inventory}"],
         cwd=tb.paths.repo_root(), env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
@@ -88,7 +94,8 @@ def test_fabric_cut_fails_io_within_timeouts(testbed, deployed):
     try:
         t0 = time.monotonic()
         rc, out = testbed.node.execute(
-            f"dd if={dev} of=/dev/null bs=4k count=1 skip=$((RANDOM * 7)) iflag=direct status=none", timeout=120
+            f"dd if={dev} of=/dev/null bs=4k count=1 skip=$((RANDOM * 7)) iflag=direct status=none",
+            timeout=120,
         )
         elapsed = time.monotonic() - t0
     finally:
@@ -110,8 +117,10 @@ def test_reboot_reconnects_and_remounts(testbed, deployed):
         "python3 -c 'import json,glob,os; print(json.dumps([{k: open(os.path.join(d,k)).read().strip() "
         "for k in (\"transport\",\"state\",\"subsysnqn\")} for d in glob.glob(\"/sys/class/nvme/nvme*\")]))'"
     ))  # fmt: skip
-    assert any(c["subsysnqn"] == STORE_NQN and c["transport"] == testbed.transport and c["state"] == "live"
-               for c in ctrls), ctrls
+    assert any(
+        c["subsysnqn"] == STORE_NQN and c["transport"] == testbed.transport and c["state"] == "live"
+        for c in ctrls
+    ), ctrls
     testbed.node.succeed(
         f"head -c 4M /dev/urandom > /tmp/x && dd if=/tmp/x of={MOUNT}/.after-reboot bs=1M oflag=direct status=none "
         f"&& cmp /tmp/x {MOUNT}/.after-reboot && rm {MOUNT}/.after-reboot"

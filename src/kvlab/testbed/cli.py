@@ -19,10 +19,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = p.add_subparsers(dest="testbed_command", required=True)
 
     u = s.add_parser("up", help="boot the VMs from the cached image and write inventories/testbed/hosts.yml")
-    u.add_argument("--transport", choices=testbed.TRANSPORTS, default="rdma",
-                   help="fabric transport the roles set up and verification asserts (default rdma)")
+    u.add_argument(
+        "--transport",
+        choices=testbed.TRANSPORTS,
+        default="rdma",
+        help="fabric transport the roles set up and verification asserts (default rdma)",
+    )
     u.add_argument("--name", default="default", help="testbed name (state under kvlab's state folder)")
-    u.add_argument("--inventory", type=Path, help="where to write the inventory (default inventories/testbed/hosts.yml)")
+    u.add_argument(
+        "--inventory", type=Path, help="where to write the inventory (default inventories/testbed/hosts.yml)"
+    )
     u.set_defaults(func=_up)
 
     d = s.add_parser("down", help="stop the VMs by PID (console logs are kept)")
@@ -35,9 +41,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.set_defaults(func=_status)
 
     i = s.add_parser("image", help="build the testbed image (cached by input hash) and print its sha256")
-    i.add_argument("--definition", type=Path, default=None, help="image definition folder (default images/testbed)")
-    i.add_argument("--rebuild", action="store_true",
-                   help="build from scratch even if cached, and fail if the result differs from the cached one")
+    i.add_argument(
+        "--definition", type=Path, default=None, help="image definition folder (default images/testbed)"
+    )
+    i.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="build from scratch even if cached, and fail if the result differs from the cached one",
+    )
     i.add_argument("--repin", action="store_true", help="re-resolve packages.lock from the mirror")
     i.add_argument("--print-hash", action="store_true", help="print the input hash only")
     i.set_defaults(func=_image)
@@ -83,9 +94,13 @@ def _status(args) -> int:
     print(f"testbed {args.name}: transport {st['transport']}, image {st['image']}")
     for m in st["machines"]:
         state = "running" if m["running"] else "stopped"
-        print(f"  {m['name']:<7} {state} pid {m['pid']} ssh 127.0.0.1:{m['ssh_port']} console {m['console_log']}")
+        print(
+            f"  {m['name']:<7} {state} pid {m['pid']} ssh 127.0.0.1:{m['ssh_port']} console {m['console_log']}"
+        )
         for c in m.get("nvme_controllers", []):
-            print(f"    {c['name']} {c['transport']} {c['state']} {c['address'].get('traddr', '')} {c['subsysnqn']}")
+            print(
+                f"    {c['name']} {c['transport']} {c['state']} {c['address'].get('traddr', '')} {c['subsysnqn']}"
+            )
     return 0
 
 
@@ -101,13 +116,12 @@ def _image(args) -> int:
         return 0
     before = image.cached(root)
     old = image.manifest(before)["sha256"] if before else None
-    if before and not args.rebuild:
-        out = before
-    else:
-        out = image.build(defn)
+    out = before if before and not args.rebuild else image.build(defn)
     new = image.manifest(out)
     for f, digest in sorted(new["sha256"].items()):
         print(f"{digest}  {out / f}")
     if old and old != new["sha256"]:
-        raise image.ImageError(f"not reproducible: the rebuild of inputs {new['input_hash']} differs from the cached one")
+        raise image.ImageError(
+            f"not reproducible: the rebuild of inputs {new['input_hash']} differs from the cached one"
+        )
     return 0

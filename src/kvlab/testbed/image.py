@@ -164,20 +164,35 @@ def _pinned_keyring(defn: Definition, out: Path) -> Path:
     home = out / "gnupg"
     home.mkdir(mode=0o700)
     res = subprocess.run(
-        ["gpg", "--homedir", str(home), "--no-default-keyring", "--keyring", str(defn.keyring),
-         "--export", *defn.key_fingerprints],
-        capture_output=True, check=False,
+        [
+            "gpg",
+            "--homedir",
+            str(home),
+            "--no-default-keyring",
+            "--keyring",
+            str(defn.keyring),
+            "--export",
+            *defn.key_fingerprints,
+        ],
+        capture_output=True,
+        check=False,
     )
     if res.returncode or not res.stdout:
-        raise ImageError(f"{defn.keyring}: cannot export the pinned release keys ({res.stderr.decode().strip()})")
+        raise ImageError(
+            f"{defn.keyring}: cannot export the pinned release keys ({res.stderr.decode().strip()})"
+        )
     listed = subprocess.run(
-        ["gpg", "--homedir", str(home), "--with-colons", "--show-keys"], input=res.stdout,
-        capture_output=True, check=True,
+        ["gpg", "--homedir", str(home), "--with-colons", "--show-keys"],
+        input=res.stdout,
+        capture_output=True,
+        check=True,
     ).stdout.decode()
     have = {line.split(":")[9] for line in listed.splitlines() if line.startswith("fpr:")}
     missing = [f for f in defn.key_fingerprints if f not in have]
     if missing:
-        raise ImageError(f"{defn.keyring}: release key(s) {', '.join(missing)} missing (install debian-archive-keyring)")
+        raise ImageError(
+            f"{defn.keyring}: release key(s) {', '.join(missing)} missing (install debian-archive-keyring)"
+        )
     keyring.write_bytes(res.stdout)
     shutil.rmtree(home)
     return keyring
@@ -186,22 +201,32 @@ def _pinned_keyring(defn: Definition, out: Path) -> Path:
 def _mmdebstrap(defn: Definition, work: Path, rootfs: Path, include: list[str], env: dict[str, str]) -> None:
     keyring = _pinned_keyring(defn, work)
     cmd = [
-        "mmdebstrap", "--mode=root", "--variant=apt", f"--architectures={defn.arch}",
-        f"--keyring={keyring}", "--format=directory",
-        "--aptopt=Acquire::Languages \"none\"",
-        "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
-        "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
+        "mmdebstrap",
+        "--mode=root",
+        "--variant=apt",
+        f"--architectures={defn.arch}",
+        f"--keyring={keyring}",
+        "--format=directory",
+        '--aptopt=Acquire::Languages "none"',
+        "--dpkgopt=path-exclude=/usr/share/doc/*",
+        "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+        "--dpkgopt=path-exclude=/usr/share/man/*",
+        "--dpkgopt=path-exclude=/usr/share/locale/*",
         f"--include={','.join(include)}",
         f"--customize-hook=copy-in {defn.root / 'overlay'}/. /",
-        f"--customize-hook=chroot \"$1\" /bin/sh -eu < {defn.root / 'customize.sh'}",
-        "--customize-hook=chroot \"$1\" dpkg-query -W -f '${Package}=${Version}\\n' > \"$1/../installed.txt\"",
-        defn.release, str(rootfs), *defn.sources,
+        f'--customize-hook=chroot "$1" /bin/sh -eu < {defn.root / "customize.sh"}',
+        '--customize-hook=chroot "$1" dpkg-query -W -f \'${Package}=${Version}\\n\' > "$1/../installed.txt"',
+        defn.release,
+        str(rootfs),
+        *defn.sources,
     ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     (work / "mmdebstrap.log").write_text(res.stdout + res.stderr)
     if res.returncode:
         tail = "\n".join((res.stdout + res.stderr).splitlines()[-15:])
-        gone = [ln for ln in tail.splitlines() if "was not found" in ln or "has no installation candidate" in ln]
+        gone = [
+            ln for ln in tail.splitlines() if "was not found" in ln or "has no installation candidate" in ln
+        ]
         if gone:
             raise ImageError(
                 f"a pinned package version has left the mirror ({gone[0].strip()}); re-pin with:\n  "
@@ -213,11 +238,24 @@ def _mmdebstrap(defn: Definition, work: Path, rootfs: Path, include: list[str], 
 def _normalize(rootfs: Path, epoch: int) -> None:
     """Remove what differs between two builds or must not ship (keys, IDs, logs, caches)."""
     for pattern in (
-        "var/log/**/*", "var/cache/apt/**/*", "var/lib/apt/lists/**/*", "var/cache/debconf/*-old",
-        "var/lib/dpkg/*-old", "var/cache/ldconfig/aux-cache", "var/lib/systemd/random-seed",
-        "etc/ssh/ssh_host_*", "etc/nvme/hostnqn", "etc/nvme/hostid", "var/lib/dbus/machine-id",
-        "etc/*-", "var/cache/man/**/*", "root/.bash_history", "tmp/*", "var/tmp/*",
-        "var/lib/systemd/catalog/database", "var/lib/initramfs-tools/*",
+        "var/log/**/*",
+        "var/cache/apt/**/*",
+        "var/lib/apt/lists/**/*",
+        "var/cache/debconf/*-old",
+        "var/lib/dpkg/*-old",
+        "var/cache/ldconfig/aux-cache",
+        "var/lib/systemd/random-seed",
+        "etc/ssh/ssh_host_*",
+        "etc/nvme/hostnqn",
+        "etc/nvme/hostid",
+        "var/lib/dbus/machine-id",
+        "etc/*-",
+        "var/cache/man/**/*",
+        "root/.bash_history",
+        "tmp/*",
+        "var/tmp/*",
+        "var/lib/systemd/catalog/database",
+        "var/lib/initramfs-tools/*",
     ):
         for p in sorted(rootfs.glob(pattern), reverse=True):
             if p.is_symlink() or p.is_file():
@@ -239,15 +277,45 @@ def _normalize(rootfs: Path, epoch: int) -> None:
 
 def _mkfs(defn: Definition, work: Path, rootfs: Path, disk: Path, env: dict[str, str]) -> None:
     shim = work / "clamp_stat.so"
-    _run(["cc", "-shared", "-fPIC", "-O2", "-o", str(shim),
-          str(defn.root.parent / "tools" / "clamp_stat.c"), "-ldl"])
+    _run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-o",
+            str(shim),
+            str(defn.root.parent / "tools" / "clamp_stat.c"),
+            "-ldl",
+        ]
+    )
     with disk.open("wb") as f:
         f.truncate(defn.size_mib * 1024 * 1024)
-    mkfs_env = dict(env, LD_PRELOAD=str(shim), E2FSPROGS_FAKE_TIME=str(defn.source_date_epoch),
-                    MKE2FS_CONFIG=str(defn.root.parent / "tools" / "mke2fs.conf"))
-    _run(["mke2fs", "-q", "-F", "-t", "ext4", "-L", "kvlab-root", "-U", defn.filesystem_uuid,
-          "-E", f"hash_seed={defn.hash_seed},lazy_itable_init=0,lazy_journal_init=0,root_owner=0:0",
-          "-d", str(rootfs), str(disk)], env=mkfs_env)
+    mkfs_env = dict(
+        env,
+        LD_PRELOAD=str(shim),
+        E2FSPROGS_FAKE_TIME=str(defn.source_date_epoch),
+        MKE2FS_CONFIG=str(defn.root.parent / "tools" / "mke2fs.conf"),
+    )
+    _run(
+        [
+            "mke2fs",
+            "-q",
+            "-F",
+            "-t",
+            "ext4",
+            "-L",
+            "kvlab-root",
+            "-U",
+            defn.filesystem_uuid,
+            "-E",
+            f"hash_seed={defn.hash_seed},lazy_itable_init=0,lazy_journal_init=0,root_owner=0:0",
+            "-d",
+            str(rootfs),
+            str(disk),
+        ],
+        env=mkfs_env,
+    )
 
 
 def build(defn: Definition, *, repin: bool = False) -> Path:
@@ -257,8 +325,13 @@ def build(defn: Definition, *, repin: bool = False) -> Path:
     digest = input_hash(defn.root)
     images_dir().mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".build-{digest}-", dir=images_dir()))
-    env = dict(os.environ, SOURCE_DATE_EPOCH=str(defn.source_date_epoch), LC_ALL="C.UTF-8", TZ="UTC",
-               PYTHONHASHSEED="0")
+    env = dict(
+        os.environ,
+        SOURCE_DATE_EPOCH=str(defn.source_date_epoch),
+        LC_ALL="C.UTF-8",
+        TZ="UTC",
+        PYTHONHASHSEED="0",
+    )
     try:
         rootfs = work / "rootfs"
         include = list(defn.packages) if repin else [f"{n}={v}" for n, v in sorted(defn.lock.items())]

@@ -39,7 +39,9 @@ class Machine:
     def succeed(self, cmd: str, timeout: float = 120.0) -> str:
         rc, out = self.execute(cmd, timeout)
         if rc != 0:
-            raise MachineError(f"{self.name}: `{cmd}` exited {rc}:\n{out[-3000:]}\n(console: {self.console_log})")
+            raise MachineError(
+                f"{self.name}: `{cmd}` exited {rc}:\n{out[-3000:]}\n(console: {self.console_log})"
+            )
         return out
 
     def fail(self, cmd: str, timeout: float = 120.0) -> str:
@@ -56,8 +58,10 @@ class Machine:
             if rc == 0:
                 return last
             time.sleep(interval)
-        raise MachineError(f"{self.name}: `{cmd}` did not succeed within {timeout:.0f} s:\n{last[-2000:]}"
-                           f"\n(console: {self.console_log})")
+        raise MachineError(
+            f"{self.name}: `{cmd}` did not succeed within {timeout:.0f} s:\n{last[-2000:]}"
+            f"\n(console: {self.console_log})"
+        )
 
     def wait_for_unit(self, unit: str, timeout: float = 120.0) -> None:
         self.wait_until_succeeds(f"systemctl is-active --quiet {unit}", timeout)
@@ -76,7 +80,9 @@ class Machine:
             if rc == 0 and out.strip() and out.strip() != boot_id:
                 return time.monotonic() - t0
             time.sleep(3)
-        raise MachineError(f"{self.name}: did not come back from reboot within {timeout:.0f} s (console: {self.console_log})")
+        raise MachineError(
+            f"{self.name}: did not come back from reboot within {timeout:.0f} s (console: {self.console_log})"
+        )
 
     def set_link(self, netdev_id: str, up: bool) -> None:
         """Cut or restore a link at the qemu end (`fabric` or `mgmt`)."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 # One line per controller: name|transport|address|state|subsysnqn (address on one line).
 CONTROLLERS_SCRIPT = (
-    "for d in /sys/class/nvme/nvme*; do [ -e \"$d/transport\" ] || continue; "
-    "printf '%s|%s|%s|%s|%s\\n' \"${d##*/}\" \"$(cat $d/transport)\" "
-    "\"$(tr '\\n' ' ' < $d/address 2>/dev/null)\" \"$(cat $d/state)\" \"$(cat $d/subsysnqn)\"; done"
+    'for d in /sys/class/nvme/nvme*; do [ -e "$d/transport" ] || continue; '
+    'printf \'%s|%s|%s|%s|%s\\n\' "${d##*/}" "$(cat $d/transport)" '
+    '"$(tr \'\\n\' \' \' < $d/address 2>/dev/null)" "$(cat $d/state)" "$(cat $d/subsysnqn)"; done'
 )
 
 

@@ -74,8 +74,9 @@ def ensure_key(root: Path) -> Path:
     key = root / "id_ed25519"
     if not key.exists():
         root.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvlab-testbed", "-f", str(key)],
-                       check=True)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvlab-testbed", "-f", str(key)], check=True
+        )
     return key
 
 
@@ -111,7 +112,9 @@ def default_inventory_path() -> Path:
 
 
 def running(state: State | None) -> bool:
-    return bool(state) and all(vm.pid_alive(m.pid) and vm.is_our_qemu(m.pid, Path(m.dir)) for m in state.machines)
+    return bool(state) and all(
+        vm.pid_alive(m.pid) and vm.is_our_qemu(m.pid, Path(m.dir)) for m in state.machines
+    )
 
 
 def up(
@@ -127,7 +130,9 @@ def up(
     if running(old):
         assert old is not None
         if old.transport != transport:
-            raise TestbedError(f"testbed {name} runs with transport {old.transport}; `kvlab testbed down` first")
+            raise TestbedError(
+                f"testbed {name} runs with transport {old.transport}; `kvlab testbed down` first"
+            )
         write_inventory(old, inventory_path or default_inventory_path())
         log(f"testbed {name} already up")
         return old
@@ -139,8 +144,14 @@ def up(
     log(f"image {image_dir} ({time.monotonic() - t0:.0f} s)")
     root = state_root(name)
     key = ensure_key(root)
-    state = State(name=name, transport=transport, image_dir=str(image_dir), fabric_port=vm.free_port(),
-                  key=str(key), machines=[])
+    state = State(
+        name=name,
+        transport=transport,
+        image_dir=str(image_dir),
+        fabric_port=vm.free_port(),
+        key=str(key),
+        machines=[],
+    )
     try:
         for spec in MACHINES:
             mdir = root / spec.name
@@ -159,7 +170,9 @@ def up(
         down(name, log=lambda *_: None)
         raise
     write_inventory(state, inventory_path or default_inventory_path())
-    log(f"testbed {name} up in {time.monotonic() - t0:.0f} s; inventory {inventory_path or default_inventory_path()}")
+    log(
+        f"testbed {name} up in {time.monotonic() - t0:.0f} s; inventory {inventory_path or default_inventory_path()}"
+    )
     return state
 
 
@@ -181,8 +194,14 @@ def status(name: str = "default") -> dict:
     machines = []
     for m in state.machines:
         alive = vm.pid_alive(m.pid) and vm.is_our_qemu(m.pid, Path(m.dir))
-        entry: dict = {"name": m.name, "pid": m.pid, "running": alive, "ssh_port": m.ssh_port,
-                       "console_log": str(m.console_log), "group": GROUPS.get(m.name)}
+        entry: dict = {
+            "name": m.name,
+            "pid": m.pid,
+            "running": alive,
+            "ssh_port": m.ssh_port,
+            "console_log": str(m.console_log),
+            "group": GROUPS.get(m.name),
+        }
         if alive:
             try:
                 res = vm.ssh(m, Path(state.key), CONTROLLERS_SCRIPT, timeout=30)

@@ -114,8 +114,12 @@ def qemu_command(
         "-pidfile", str(machine_dir / "qemu.pid"),
     ]  # fmt: skip
     if spec.data_disk_mib:
-        cmd += ["-drive", f"file={machine_dir / 'data0.raw'},if=none,id=data0,format=raw,cache=unsafe",
-                "-device", f"virtio-blk-pci,drive=data0,serial=kvlab-{spec.name}-data0"]
+        cmd += [
+            "-drive",
+            f"file={machine_dir / 'data0.raw'},if=none,id=data0,format=raw,cache=unsafe",
+            "-device",
+            f"virtio-blk-pci,drive=data0,serial=kvlab-{spec.name}-data0",
+        ]
     return cmd
 
 
@@ -124,8 +128,18 @@ def prepare_disks(spec: MachineSpec, image_dir: Path, machine_dir: Path) -> None
     overlay = machine_dir / "root.qcow2"
     if not overlay.exists():
         subprocess.run(
-            ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(image_dir / "disk.raw"),
-             str(overlay)],
+            [
+                "qemu-img",
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-F",
+                "raw",
+                "-b",
+                str(image_dir / "disk.raw"),
+                str(overlay),
+            ],
             check=True,
         )
     data = machine_dir / "data0.raw"
@@ -134,7 +148,9 @@ def prepare_disks(spec: MachineSpec, image_dir: Path, machine_dir: Path) -> None
             f.truncate(spec.data_disk_mib * 1024 * 1024)
 
 
-def start(spec: MachineSpec, image_dir: Path, machine_dir: Path, fabric_port: int, pubkey: Path) -> MachineState:
+def start(
+    spec: MachineSpec, image_dir: Path, machine_dir: Path, fabric_port: int, pubkey: Path
+) -> MachineState:
     prepare_disks(spec, image_dir, machine_dir)
     ssh_port = free_port()
     cmd = qemu_command(spec, image_dir, machine_dir, ssh_port, fabric_port, pubkey)
@@ -211,7 +227,9 @@ def wait_ssh(state: MachineState, key: Path, timeout: float) -> float:
         except subprocess.TimeoutExpired:
             pass
         time.sleep(2)
-    raise VMError(f"{state.name}: no SSH after {timeout:.0f} s (console {state.console_log}: {tail(state.console_log)})")
+    raise VMError(
+        f"{state.name}: no SSH after {timeout:.0f} s (console {state.console_log}: {tail(state.console_log)})"
+    )
 
 
 def listening(port: int) -> bool:
