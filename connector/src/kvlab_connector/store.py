@@ -457,7 +457,14 @@ class ObjectWriter:
         try:
             for f, p in enumerate(self.tmp):
                 p.parent.mkdir(parents=True, exist_ok=True)
-                self._fds.append(store._open_for(f, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+                fd = store._open_for(f, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                self._fds.append(fd)
+                # Allocate the fragment up front: direct writes inside the file's size run in
+                # parallel, while writes that extend a file are serialized by the filesystem.
+                try:
+                    os.posix_fallocate(fd, 0, store.fragment_bytes(key, shape, f))
+                except OSError:
+                    pass  # a filesystem without fallocate still takes the writes
         except OSError:
             self._fail()
 
