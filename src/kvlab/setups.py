@@ -57,6 +57,8 @@ class EngineParams:
     # The API key, where one is used, reaches vLLM as VLLM_API_KEY from the service's
     # environment file: it never appears on a command line or in this registry.
     extra_engine_args: tuple[str, ...] = ()
+    # vLLM's OffloadingConnector (the lab's DRAM peer): host DRAM for KV, bytes per node.
+    offload_cpu_bytes: int = 0
 
     def with_(self, **changes: Any) -> EngineParams:
         return replace(self, **changes)
@@ -235,6 +237,27 @@ register(Setup(
     devices=("cpu", "cuda"),
     kv_transfer=_example_kv,
     needs_full_prompt_batch=True,
+))
+
+
+
+def _offload_kv(p: EngineParams) -> dict[str, Any]:
+    if p.offload_cpu_bytes <= 0:
+        raise SetupError("setup 'vllm-offload' needs offload_cpu_bytes: host DRAM for the KV tier, bytes per node")
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": LOAD_FAILURE_POLICY,
+        # Per rank, as vLLM's own --kv-offloading-size divides it.
+        "kv_connector_extra_config": {"cpu_bytes_to_use": p.offload_cpu_bytes // p.tensor_parallel_size},
+    }
+
+
+register(Setup(
+    name="vllm-offload",
+    description="vLLM's OffloadingConnector: KV in host DRAM, the lab's DRAM peer (refuses the CPU engine)",
+    devices=("cuda",),
+    kv_transfer=_offload_kv,
 ))
 
 

@@ -59,3 +59,13 @@ def test_unknown_setup_and_missing_drives_are_user_errors() -> None:
         setups.render("kvlab", params(kv_store_paths=()))
     with pytest.raises(setups.SetupError, match="unknown engine parameter"):
         params_from_mapping({"model": "/m", "tp": 8})
+
+
+def test_dram_peer_is_lab_only_and_needs_its_size() -> None:
+    with pytest.raises(setups.SetupError, match="runs on cuda"):
+        setups.render("vllm-offload", params())
+    with pytest.raises(setups.SetupError, match="offload_cpu_bytes"):
+        setups.render("vllm-offload", params(device="cuda"))
+    d = setups.render("vllm-offload", params(device="cuda", tensor_parallel_size=8, offload_cpu_bytes=400 << 30))
+    assert d.kv_transfer_config is not None
+    assert d.kv_transfer_config["kv_connector_extra_config"]["cpu_bytes_to_use"] == (400 << 30) // 8
