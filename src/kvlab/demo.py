@@ -62,6 +62,22 @@ class Samples:
         }
 
 
+def wait_for_objects(store: Path, expected: int, timeout_s: float = 600) -> None:
+    """Saves are asynchronous: wait until the prompt's objects are committed on the drive."""
+    from kvlab_connector.store import Store
+
+    t0 = time.monotonic()
+    view = Store([store], capacity_bytes=1 << 50, io_threads=1)
+    try:
+        while (found := view.scan().objects) < expected:
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"only {found} of {expected} objects reached {store} in {timeout_s:.0f} s")
+            time.sleep(1)
+    finally:
+        view.close()
+    note(f"kvlab: {found} objects committed {time.monotonic() - t0:.1f} s after the answer")
+
+
 def engine_params(model: Path, tokens: int, work: Path, port: int) -> setups.EngineParams:
     # ExampleConnector saves and loads whole prompts only: every setup gets a batch that
     # holds the whole prompt, so that the flags stay identical.
@@ -109,8 +125,8 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
             if first == "compute":
                 samples[setup].recompute.append(c.ttft_s)
                 note(f"{setup}: computed {tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
-                # Saves are asynchronous: give the last writes time to land on the drive.
-                time.sleep(3)
+                if setup == "kvlab":
+                    wait_for_objects(work / "kvlab-store", tokens // 512)
                 return
             samples[setup].restart_restore.append(c.ttft_s)
             samples[setup].restart_cached_tokens.append(c.cached_tokens or 0)

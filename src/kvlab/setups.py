@@ -139,6 +139,9 @@ def _engine_env(p: EngineParams) -> dict[str, str]:
     }
     if p.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(p.cpu_kv_cache_gib)
+        # One 30K-token prefill step takes minutes on two cores: past vLLM's default 300 s
+        # the executor declares the engine dead.
+        env["VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"] = "3600"
         if p.cpu_cores:
             # vLLM CPU binds its worker to one core without a connector and to all with
             # one: pin explicitly so that every setup computes on the same cores.

@@ -62,7 +62,8 @@ class PosixEngine:
         return self._pool.submit(fn, *args)
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # Queued writes finish: a clean engine stop keeps the saves it accepted.
+        self._pool.shutdown(wait=True, cancel_futures=False)
 
 
 def _pread_full(fd: int, buf: memoryview, offset: int) -> int:

@@ -329,6 +329,10 @@ class Store:
             metrics.inc("evictions")
         return used
 
+    def scan(self) -> ScanResult:
+        """What the drives hold now (committed objects and bytes), changing nothing."""
+        return self._scan(clean=False)
+
     def rebuild(self) -> ScanResult:
         """Rebuild the index from the drives alone: count committed objects and bytes,
         remove partial objects and temporary files of dead writers, reset the ledger."""
