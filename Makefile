@@ -21,8 +21,10 @@ demo: setup ## the main job on the embedded default: build the tiny model, run t
 	$(KVLAB) model tiny
 	$(KVLAB) campaign run campaigns/embedded.yml
 
-test: setup ## run the test tiers (unit, engine, testbed; lab skips without hardware)
-	$(PYTEST) tests
+# The testbed tier (VMs under TCG) runs apart, with `make test-testbed`, until it has passed
+# end to end within CI's time on this kind of machine.
+test: setup ## run the unit and engine tiers (lab tests skip without hardware)
+	$(PYTEST) tests -m "not testbed"
 
 test-unit: setup ## unit tier only (seconds)
 	$(PYTEST) tests/unit
