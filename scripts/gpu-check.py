@@ -166,17 +166,6 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def drop_page_cache() -> bool:
-    # kvlab.engine.drop_page_cache's twin: only the connector is installed on the GPU machine.
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu-check", description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -262,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         expected = torch.empty(total, dtype=torch.uint8, device=device)
         keys, write_s = write_objects(store, shape, ns, n_objects, expected, torch, seed=20261129)
+        from kvlab_connector.osutil import drop_page_cache
+
         report["page_cache_dropped"] = drop_page_cache()
         dst = torch.zeros(total, dtype=torch.uint8, device=device)
         gpu_s = restore_gpu(store, shape, ns, keys, dst, cufile_cls)

@@ -17,11 +17,15 @@ def drop_page_cache() -> bool:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID exists (one we may not signal counts as alive)."""
+    """Whether a process with this PID runs (one we may not signal counts; a zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
