@@ -180,22 +180,20 @@ def _fs_l2(p: EngineParams) -> dict[str, Any]:
 
 
 # ---- the registry entries -----------------------------------------------------------
-register(GuardedSetup(
-    name="lmcache-cpu",
-    description="LMCache in-process, KV offloaded to DRAM (LMCacheConnectorV1); "
-    "on the CPU engine it refuses to start: LMCache has no CPU path there",
-    devices=("cpu", "cuda"),
-    kv_transfer=_inprocess_kv,
-    extra_env=_cpu_env,
-))
-register(GuardedSetup(
-    name="lmcache-disk",
-    description="LMCache in-process, local disk backend (non-GDS) under a DRAM buffer; "
-    "on the CPU engine it refuses to start: LMCache has no CPU path there",
-    devices=("cpu", "cuda"),
-    kv_transfer=_inprocess_kv,
-    extra_env=_disk_env,
-))
+# In-process: (name, what LMCache keeps where); on CPU both run under the guard.
+_INPROCESS_SETUPS = (
+    ("lmcache-cpu", "KV offloaded to DRAM", _cpu_env),
+    ("lmcache-disk", "local disk backend (non-GDS) under a DRAM buffer", _disk_env),
+)
+for _name, _what, _env in _INPROCESS_SETUPS:
+    register(GuardedSetup(
+        name=_name,
+        description=f"LMCache in-process (LMCacheConnectorV1), {_what}; "
+        "on the CPU engine it refuses to start: LMCache has no CPU path there",
+        devices=("cpu", "cuda"),
+        kv_transfer=_inprocess_kv,
+        extra_env=_env,
+    ))
 register(Setup(
     name="lmcache-gds",
     description="LMCache in-process with its GDS backend (cuFile straight into GPU memory); needs CUDA",
