@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import psutil
+
 from kvlab.setups import (
     LOAD_FAILURE_POLICY,
     Deployment,
@@ -257,12 +259,20 @@ def guard(setup: str, argv: list[str], markers: tuple[str, ...] = DEGRADED_MARKE
 
 
 def _stop(child: subprocess.Popen) -> None:
-    child.send_signal(signal.SIGTERM)
+    """Kill the engine and every process it started, at once. A graceful stop would let
+    vLLM finish starting (it defers SIGTERM during start-up) and answer /health: the
+    caller would take the degraded engine for a ready one."""
     try:
-        child.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
+        procs = [psutil.Process(child.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        procs = []
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    child.wait()
 
 
 def main(args: list[str] | None = None) -> int:

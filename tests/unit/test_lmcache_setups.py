@@ -116,3 +116,27 @@ def test_the_guard_entry_point_runs_as_rendered() -> None:
     argv = argv[:cut + 1] + [sys.executable, "-c", "print('No supported cpu connector found.')"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert r.returncode == GUARD_EXIT, r.stdout + r.stderr
+
+
+def test_the_guard_kills_what_the_engine_started(capfd: pytest.CaptureFixture[str]) -> None:
+    """vLLM defers SIGTERM while it starts: a degraded engine must die at once, workers too."""
+    import psutil
+
+    child = [sys.executable, "-c",
+             "import subprocess, sys, time; "
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+             "print('worker', w.pid, flush=True); "
+             "print('No supported cpu connector found.', flush=True); time.sleep(120)"]
+    assert guard("lmcache-cpu", child) == GUARD_EXIT
+    worker = int(next(line.split()[1] for line in capfd.readouterr().out.splitlines() if line.startswith("worker")))
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(worker).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not gone():
+        time.sleep(0.1)
+    assert gone(), "the engine's worker outlived the guard"
