@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab.setups import Deployment, ProcessSpec
-from kvlab_connector.osutil import drop_page_cache
+from kvlab_connector.osutil import drop_page_cache, pid_alive
 
-__all__ = ["EngineError", "EngineServer", "ManagedProcess", "drop_page_cache", "log_tail", "metric_sum",
-           "parse_prometheus", "running"]
+__all__ = ["EngineError", "EngineServer", "ManagedProcess", "drop_page_cache", "group_alive", "log_tail",
+           "metric_sum", "parse_prometheus", "running"]
 
 
 class EngineError(RuntimeError):
@@ -214,6 +214,11 @@ def _group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != b"Z":  # fields: state, ppid, pgrp, ...
             members.append(int(entry.name))
     return members
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group still runs (zombies awaiting their reaper do not)."""
+    return bool(_group_members(pgid)) or pid_alive(pgid)
 
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 
 from kvlab import setups
 from kvlab.client import complete
-from kvlab.engine import EngineError, EngineServer
+from kvlab.engine import EngineError, EngineServer, group_alive
 
 PORT = 8131
 
@@ -23,11 +22,7 @@ def prompt(n: int, seed: int = 3) -> list[int]:
 
 
 def group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    return not group_alive(pgid)
 
 
 def params(model: Path, store: Path, **kw) -> setups.EngineParams:  # type: ignore[no-untyped-def]
