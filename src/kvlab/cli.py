@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # Modules with a `register(subparsers)` function; each adds its subcommands.
@@ -29,11 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unwind_on_signals() -> None:
+    """SIGTERM and SIGINT (ignored by default in background jobs) unwind the command, so that
+    every engine, cache server or VM it started is stopped by its PID in a `finally`."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvlab.setups import SetupError
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    _unwind_on_signals()
     try:
         return int(args.func(args) or 0)
     except (UserError, SetupError) as e:

@@ -73,7 +73,6 @@ def _run(args: argparse.Namespace) -> int:
     from kvlab.harness.runner import run_campaign
 
     c, sha = _load(args.file)
-    _stop_engines_on_signals()
     t0 = time.monotonic()
     try:
         run_dir = run_campaign(c, args.file, sha, args.results, keep_stores=args.keep_stores)
@@ -85,18 +84,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"report: {md}", file=sys.stderr)
         print(md.read_text())
     return 0
-
-
-def _stop_engines_on_signals() -> None:
-    """SIGTERM and SIGINT (ignored by default in background jobs) unwind the run, so that every
-    engine it started is stopped by its process group and the records are closed."""
-    import signal
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
 
 
 def _report(args: argparse.Namespace) -> int:
