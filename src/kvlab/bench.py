@@ -25,6 +25,7 @@ from kvlab.client import complete
 from kvlab.engine import EngineServer, drop_page_cache
 from kvlab.fio import BLOCK_SIZES, run_fio
 from kvlab.fio import cleanup as fio_cleanup
+from kvlab.harness.memory import tree_usage
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.paths import state_dir
 
@@ -100,20 +101,7 @@ MEMORY_GEOMETRY = TinyGeometry(num_hidden_layers=8, num_attention_heads=16, num_
 
 
 def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return tree_usage(pid)[0]
 
 
 class RssSampler:
