@@ -32,6 +32,7 @@ from kvlab.fio import cleanup as fio_cleanup
 from kvlab.fio import fio_limit
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.paths import state_dir
+from kvlab_connector.io_posix import supports_o_direct
 
 SETUPS = ("kvlab", "vllm-example")
 
@@ -181,7 +182,8 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
         "warm_kvlab_over_example": k["warm_restore_ttft_s"] / e["warm_restore_ttft_s"],
         "restore_over_drive_limit": (k["restart_restore_ttft_s"] - k["prefix_hit_ttft_s"]) / drive_time,
         "drive_limit_s": drive_time,
-        "io_mode": "posix-odirect",
+        # What the connector picks on this path (CPU engine: POSIX, O_DIRECT where allowed).
+        "io_mode": "posix-odirect" if supports_o_direct(work / "kvlab-store") else "posix-buffered",
         "provenance": {"python": platform.python_version(), "machine": platform.machine(),
                        "kernel": platform.release(), "engine_argv": list(setups.render("kvlab", params).engine.argv)},
     }

@@ -16,8 +16,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from kvlab.setups import Deployment, ProcessSpec
 from kvlab_connector.osutil import drop_page_cache, pid_alive
 
 __all__ = ["EngineError", "EngineServer", "ManagedProcess", "drop_page_cache", "group_alive", "log_tail",
-           "metric_sum", "parse_prometheus", "running"]
+           "metric_sum", "parse_prometheus"]
 
 
 class EngineError(RuntimeError):
@@ -315,13 +313,3 @@ def parse_prometheus(text: str) -> dict[str, float]:
 def metric_sum(metrics: dict[str, float], name: str) -> float:
     """Sum a metric over all its label sets."""
     return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
-
-
-@contextmanager
-def running(deployment: Deployment, log_dir: Path, progress: bool = False) -> Iterator[EngineServer]:
-    server = EngineServer(deployment, log_dir)
-    try:
-        server.start(progress)
-        yield server
-    finally:
-        server.stop()

@@ -81,7 +81,6 @@ class WorkerSide:
         self._writers: dict[str, tuple[ObjectWriter, int]] = {}
         self.saves_dropped = 0
         self.load_error_blocks = 0
-        self.hit_blocks = 0
 
     # ---- set-up ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
@@ -256,8 +255,6 @@ class WorkerSide:
         remaining = max(0.0, self._load_deadline - time.monotonic())
         timed_out = not all(ev.wait(remaining) for ev in load.events)
         self._fail_load(load, all_chunks=timed_out)
-        ok_chunks = len(load.chunks) - len(load.failed_chunks)
-        self.hit_blocks += sum(1 for c in load.chunks for b in c.block_ids if b >= 0) if ok_chunks else 0
 
     def take_load_errors(self) -> set[int]:
         self._finish_load()
