@@ -85,6 +85,42 @@ def fragment_files(tmp_path: Path, i: int) -> list[Path]:
     return sorted(tmp_path.rglob(f"{key(i)}.*"))
 
 
+def test_queued_sections_go_out_as_one_vectored_write(tmp_path: Path, ring: StagingRing) -> None:
+    import threading
+
+    from kvlab_connector.io_posix import PosixEngine
+
+    engine = PosixEngine(threads=1)
+    gate = threading.Event()
+    engine.submit(gate.wait)  # the only I/O thread is busy while all four sections queue
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30, engine=engine)
+    w = store.begin_write(NS, key(3), SHAPE, num_tokens=512)
+    for s in (2, 0, 3, 1):  # out of order: the drain writes them by offset
+        slot = ring.acquire(timeout_s=10)
+        ring.buffer(slot)[:SHAPE.section_bytes] = payload(3, s)
+        w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: ring.release(slot))
+    gate.set()
+    assert w.done.result(timeout=30)
+    assert len(store.stats.io_latency_s) == 1, "four adjacent sections should take one request"
+    assert store.stats.bytes_written == SHAPE.object_bytes
+    assert get(store, ring, 3) == [payload(3, s) for s in range(SHAPE.n_sections)]
+    assert ring.in_use == 0
+
+
+def test_failed_write_discards_the_object_and_frees_its_slots(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
+    w = store.begin_write(NS, key(4), SHAPE, num_tokens=512)
+    w._close_fds()  # the drive goes away under the writer: every write fails (EBADF)
+    for s in range(SHAPE.n_sections):
+        slot = ring.acquire(timeout_s=10)
+        w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: ring.release(slot))
+    assert w.done.result(timeout=30) is False
+    assert not store.exists(NS, key(4), SHAPE)
+    assert not list((tmp_path / "d0").rglob("*.tmp"))
+    assert ring.in_use == 0
+    assert store.stats.writes_aborted == 1
+
+
 def test_flipped_byte_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
     store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
     assert put(store, ring, 1)

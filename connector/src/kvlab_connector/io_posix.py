@@ -78,8 +78,21 @@ def _pread_full(fd: int, buf: memoryview, offset: int) -> int:
 
 
 def _pwrite_full(fd: int, buf: memoryview, offset: int) -> int:
+    return pwritev_full(fd, [buf], offset)
+
+
+def pwritev_full(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Write the buffers back to back from `offset` in as few system calls as the kernel
+    allows; returns the bytes written."""
+    views = list(bufs)
     done = 0
-    n = len(buf)
-    while done < n:
-        done += os.pwritev(fd, [buf[done:]], offset + done)
+    while views:
+        n = os.pwritev(fd, views, offset + done)
+        if n == 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if views and n:
+            views[0] = views[0][n:]
     return done

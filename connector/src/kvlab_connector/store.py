@@ -30,7 +30,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +38,7 @@ from pathlib import Path
 import xxhash
 
 from kvlab_connector import metrics
-from kvlab_connector.io_posix import PosixEngine, supports_o_direct
+from kvlab_connector.io_posix import PosixEngine, pwritev_full, supports_o_direct
 from kvlab_connector.osutil import pid_alive
 from kvlab_connector.ring import PAGE, align_up
 
@@ -50,6 +50,10 @@ _TRAILER_CHECK = struct.Struct("<Q")
 _FRAGMENT_RE = re.compile(r"^([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)$")
 _TMP_RE = re.compile(r"^\.([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+\.tmp$")
 LOW_WATER = 0.9  # eviction frees down to this share of the capacity
+# One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).
+MAX_WRITE_BYTES = 8 << 20
+MAX_WRITE_BUFFERS = 256
+_QueuedWrite = tuple[int, memoryview, Callable[[bool], None]]  # (offset, bytes, on_done)
 
 
 @dataclass(frozen=True)
@@ -454,6 +458,8 @@ class ObjectWriter:
         self.tmp = [p.with_name(f".{p.name}.{suffix}") for p in self.final]
         self._fds: list[int] = []
         self._pending = shape.n_sections
+        self._queued: list[list[_QueuedWrite]] = [[] for _ in range(self.nfrag)]
+        self._draining = [False] * self.nfrag
         self._failed = False
         self._closed = False
         self._lock = threading.Lock()
@@ -487,33 +493,58 @@ class ObjectWriter:
         )
 
     def submit_section(self, section: int, buf: memoryview, on_done: Callable[[bool], None]) -> None:
-        """Checksum and write a section whose payload is in buf[:section_bytes];
+        """Checksum and queue a section whose payload is in buf[:section_bytes];
         on_done(ok) runs when the slot may be reused."""
         if self._failed:
             on_done(False)
+            self._section_done(False)
             return
-        store = self.store
         self.fill_trailer(section, buf)
-        frag, offset = store.placement(self.key, self.shape, section)
-        t0 = time.perf_counter()
-        fut = store.engine.submit_write(self._fds[frag], buf[:self.shape.stride], offset)
+        frag, offset = self.store.placement(self.key, self.shape, section)
+        with self._lock:
+            self._queued[frag].append((offset, buf[:self.shape.stride], on_done))
+            start = not self._draining[frag]
+            self._draining[frag] = True
+        if start:
+            self.store.engine.submit(self._drain, frag)
 
-        def done(f: Future[int]) -> None:
+    def _drain(self, frag: int) -> None:
+        """Write out whatever is queued for one fragment file, on an I/O thread.
+
+        One drain per file at a time: sections that arrive while it writes queue up and
+        go out together, adjacent ones as one vectored write. Fewer, larger requests are
+        what lets a drive reach its sequential write speed (one write per section
+        reached ~0.6 of fio's limit here; whole objects per write, fio's)."""
+        while True:
+            with self._lock:
+                items, self._queued[frag] = self._queued[frag], []
+                if not items:
+                    self._draining[frag] = False
+                    return
+            items.sort(key=lambda it: it[0])
+            for run in _contiguous_runs(items):
+                self._write_run(frag, run)
+
+    def _write_run(self, frag: int, run: list[_QueuedWrite]) -> None:
+        store = self.store
+        nbytes = sum(len(buf) for _, buf, _ in run)
+        ok = False
+        t0 = time.perf_counter()
+        if not self._failed:
             try:
-                ok = f.result() == self.shape.stride
+                ok = pwritev_full(self._fds[frag], [buf for _, buf, _ in run], run[0][0]) == nbytes
             except OSError:
                 ok = False
             dt = time.perf_counter() - t0
             with store._lock:
                 store.stats.note_latency(dt)
                 if ok:
-                    store.stats.bytes_written += self.shape.stride
+                    store.stats.bytes_written += nbytes
                     store.stats.write_s += dt
-            metrics.observe_io(dt, written_bytes=self.shape.stride if ok else 0)
+            metrics.observe_io(dt, written_bytes=nbytes if ok else 0)
+        for _, _, on_done in run:
             on_done(ok)
             self._section_done(ok)
-
-        fut.add_done_callback(done)
 
     def _section_done(self, ok: bool) -> None:
         with self._lock:
@@ -548,6 +579,8 @@ class ObjectWriter:
                 pass
 
     def _fail(self) -> None:
+        if self.done.done():
+            return  # already discarded (an open that failed, then the sections that came anyway)
         self._close_fds()
         for p in self.tmp:
             _unlink(str(p))
@@ -574,3 +607,18 @@ class ObjectWriter:
             self.store.stats.objects_written += 1
         self.store._account(self.shape.object_bytes)
         self.done.set_result(True)
+
+
+def _contiguous_runs(items: list[_QueuedWrite]) -> Iterator[list[_QueuedWrite]]:
+    """Split offset-sorted writes into runs that are adjacent on the drive and fit one request."""
+    run = [items[0]]
+    size = len(items[0][1])
+    for it in items[1:]:
+        adjacent = run[-1][0] + len(run[-1][1]) == it[0]
+        if adjacent and size + len(it[1]) <= MAX_WRITE_BYTES and len(run) < MAX_WRITE_BUFFERS:
+            run.append(it)
+            size += len(it[1])
+        else:
+            yield run
+            run, size = [it], len(it[1])
+    yield run
