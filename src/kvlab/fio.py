@@ -1,7 +1,10 @@
 """The drive limit: fio's O_DIRECT sequential read and write on the store's filesystem.
 
 The limit is fio's best over a small matrix (io_uring, 1 MiB and 4 MiB blocks, queue
-depth 32); every job is recorded so that a reader can rerun it.
+depth 32); every job is recorded so that a reader can rerun it. Each job moves its
+`size` once, as the store does: a write job writes a new, preallocated file (the store
+writes new objects; rewriting blocks already allocated would measure something the
+store never does) and a read job reads the file the writes left.
 """
 
 from __future__ import annotations
@@ -30,10 +33,12 @@ def fio_available() -> bool:
     return shutil.which("fio") is not None
 
 
-def run_fio(directory: Path, rw: str, bs: str, size_mib: int = 1024, runtime_s: int = 4) -> FioResult:
+def run_fio(directory: Path, rw: str, bs: str, size_mib: int = 1024) -> FioResult:
     if not fio_available():
         raise RuntimeError("fio is not installed: run scripts/system-deps (apt-get install fio)")
     directory.mkdir(parents=True, exist_ok=True)
+    if rw == "write":
+        cleanup(directory)
     job = {
         "name": f"kvlab-limit-{rw}-{bs}",
         "directory": str(directory),
@@ -44,13 +49,12 @@ def run_fio(directory: Path, rw: str, bs: str, size_mib: int = 1024, runtime_s: 
         "ioengine": "io_uring",
         "iodepth": 32,
         "direct": 1,
-        "runtime": runtime_s,
-        "time_based": 1,
+        "fallocate": "native",
         "numjobs": 1,
         "group_reporting": 1,
     }
     args = ["fio", "--output-format=json"] + [f"--{k}={v}" for k, v in job.items()]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=runtime_s * 10 + 120)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"fio failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
     data = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -58,9 +62,9 @@ def run_fio(directory: Path, rw: str, bs: str, size_mib: int = 1024, runtime_s: 
     return FioResult(rw=rw, bs=bs, gbps=side["bw_bytes"] / 1e9, job=job)
 
 
-def fio_limit(directory: Path, rw: str, size_mib: int = 1024, runtime_s: int = 4) -> tuple[float, list[FioResult]]:
+def fio_limit(directory: Path, rw: str, size_mib: int = 1024) -> tuple[float, list[FioResult]]:
     """fio's best GB/s over the matrix, and every job's result."""
-    results = [run_fio(directory, rw, bs, size_mib, runtime_s) for bs in BLOCK_SIZES]
+    results = [run_fio(directory, rw, bs, size_mib) for bs in BLOCK_SIZES]
     return max(r.gbps for r in results), results
 
 
