@@ -38,7 +38,11 @@ def test_dry_run_prints_the_plan_and_an_estimate(capsys: pytest.CaptureFixture[s
 
 
 def base() -> dict:
-    return yaml.safe_load((ROOT / "campaigns/embedded.yml").read_text())
+    """embedded.yml with every scenario run by every setup."""
+    d = yaml.safe_load((ROOT / "campaigns/embedded.yml").read_text())
+    for sc in d["scenarios"].values():
+        sc.pop("setups", None)
+    return d
 
 
 def error_of(data: dict) -> str:
@@ -106,15 +110,39 @@ def test_a_setup_for_another_device_is_skipped_with_a_reason(monkeypatch: pytest
 
 def test_engine_lives_are_grouped_by_prefix_caching_restore_first() -> None:
     c = campaign.parse(base())
-    assert lives_of(c) == [(False, ["restore", "sweep", "agents"])]
+    assert lives_of(c, "kvlab") == [(False, ["restore", "sweep", "agents"])]
     d = base()
     d["scenarios"]["restore"]["prefix_caching"] = True
-    assert lives_of(campaign.parse(d)) == [(True, ["restore"]), (False, ["sweep", "agents"])]
+    assert lives_of(campaign.parse(d), "kvlab") == [(True, ["restore"]), (False, ["sweep", "agents"])]
+
+
+def test_a_scenario_can_run_for_some_setups_only() -> None:
+    d = base()
+    d["setups"] = ["kvlab", "baseline"]
+    d["scenarios"]["sweep"]["setups"] = ["kvlab"]
+    c = campaign.parse(d)
+    assert lives_of(c, "kvlab") == [(False, ["restore", "sweep", "agents"])]
+    assert lives_of(c, "baseline") == [(False, ["restore", "agents"])]
+    plans = {p.setup: p for p in plan(c)}
+    assert not any("sweep" in s.what for s in plans["baseline"].steps)
+    d["scenarios"]["sweep"]["setups"] = ["vllm-example"]
+    with pytest.raises(campaign.CampaignError, match=r"scenarios.sweep.setups: vllm-example not in"):
+        campaign.parse(d)
+    d = base()
+    d["setups"] = ["kvlab", "baseline"]
+    for name in ("restore", "sweep", "agents"):
+        d["scenarios"][name]["setups"] = ["kvlab"]
+    with pytest.raises(campaign.CampaignError, match=r"baseline run no scenario"):
+        campaign.parse(d)
 
 
 def test_embedded_campaign_is_sized_for_this_machine() -> None:
     c, _ = campaign.load(ROOT / "campaigns/embedded.yml")
     total = sum(s.est_s for p in plan(c) for s in p.steps)
-    assert total <= 15 * 60
-    assert set(c.setups) == {"baseline", "kvlab", "vllm-example"}
+    assert total <= 22 * 60  # seven setups, three engine starts each
+    from kvlab.setups_lmcache import CPU_MEASURABLE
+
+    # every setup that runs on the CPU engine, LMCache's included
+    assert set(c.setups) == {"baseline", "kvlab", "vllm-example", *CPU_MEASURABLE}
     assert c.scenarios.restore and c.scenarios.sweep and c.scenarios.agents
+    assert c.scenarios.restore.setups is None and c.scenarios.restore.warm_repeats >= 5

@@ -48,6 +48,8 @@ class ModelSpec(_Strict):
 class RestoreScenario(_Strict):
     """One long prompt: computed, restored after prefix-cache resets, then after restarts."""
 
+    setups: list[str] | None = Field(
+        None, description="which of the campaign's setups run this scenario (default: all of them)")
     tokens: int = Field(gt=0)
     warm_repeats: int = Field(3, ge=0)
     restart_repeats: int = Field(3, ge=0)
@@ -62,6 +64,8 @@ class RestoreScenario(_Strict):
 class SweepScenario(_Strict):
     """Context lengths x rounds of the same input; the mean of the chosen rounds."""
 
+    setups: list[str] | None = Field(
+        None, description="which of the campaign's setups run this scenario (default: all of them)")
     lengths: list[int] = Field(min_length=1)
     rounds: int = Field(10, ge=1)
     average_rounds: tuple[int, int] = Field((2, 9), description="first and last round averaged, 1-based")
@@ -129,6 +133,8 @@ class AgentSource(_Strict):
 class AgentsScenario(_Strict):
     """N concurrent agents replay multi-turn sessions while new turns are written."""
 
+    setups: list[str] | None = Field(
+        None, description="which of the campaign's setups run this scenario (default: all of them)")
     concurrency: list[int] = Field(min_length=1)
     source: AgentSource
     frozen_threshold_s: float = Field(20.0, gt=0, description="a gap between streamed tokens above this is frozen")
@@ -206,7 +212,24 @@ class Campaign(_Strict):
         s = self.scenarios
         if s.restore is None and s.sweep is None and s.agents is None:
             raise ValueError("scenarios: give at least one of restore, sweep, agents")
+        for name in ("restore", "sweep", "agents"):
+            sc = getattr(s, name)
+            if sc is not None and sc.setups is not None:
+                stray = [x for x in sc.setups if x not in self.setups]
+                if stray:
+                    raise ValueError(f"scenarios.{name}.setups: {', '.join(stray)} not in the campaign's setups "
+                                     f"({', '.join(self.setups)}): add it there or drop it here")
+        idle = [x for x in self.setups if not self.scenarios_for(x)]
+        if idle:
+            raise ValueError(f"setup(s) {', '.join(idle)} run no scenario: list them in a scenario's setups "
+                             "or remove them from the campaign's")
         return self
+
+    def scenarios_for(self, setup: str) -> list[str]:
+        """The scenarios this setup runs, in the order they run."""
+        s = self.scenarios
+        return [name for name in ("restore", "sweep", "agents")
+                if (sc := getattr(s, name)) is not None and (sc.setups is None or setup in sc.setups)]
 
     def max_prompt_tokens(self, base: Path | None = None) -> int:
         """The longest prompt any scenario sends (bounds max_model_len and the batch)."""

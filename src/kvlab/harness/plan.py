@@ -59,17 +59,13 @@ class SetupPlan:
     steps: tuple[Step, ...]
 
 
-def lives_of(c: Campaign) -> list[tuple[bool, list[str]]]:
-    """Scenarios grouped by the engine's prefix caching, restore first (it resets the cache)."""
-    s = c.scenarios
+def lives_of(c: Campaign, setup: str) -> list[tuple[bool, list[str]]]:
+    """A setup's scenarios grouped by the engine's prefix caching, restore first (it
+    resets the cache)."""
     on: list[str] = []
     off: list[str] = []
-    if s.restore:
-        (on if s.restore.prefix_caching else off).append("restore")
-    if s.sweep:
-        (on if s.sweep.prefix_caching else off).append("sweep")
-    if s.agents:
-        (on if s.agents.prefix_caching else off).append("agents")
+    for name in c.scenarios_for(setup):
+        (on if getattr(c.scenarios, name).prefix_caching else off).append(name)
     return [(flag, names) for flag, names in ((True, on), (False, off)) if names]
 
 
@@ -112,7 +108,7 @@ def plan(c: Campaign, base: Path | None = None) -> list[SetupPlan]:
         runs, reason = setup_runs_here(name, c.device)
         cached = name != "baseline"
         steps: list[Step] = []
-        lives = lives_of(c)
+        lives = lives_of(c, name)
         life = 0
         for _, names in lives:
             steps.append(Step(name, life, "engine start", cm.engine_start_s))

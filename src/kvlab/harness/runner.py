@@ -16,7 +16,7 @@ from kvlab.engine import EngineError, EngineServer, drop_page_cache
 from kvlab.harness import results, scenarios
 from kvlab.harness.campaign import Campaign, CampaignError
 from kvlab.harness.memory import MemorySampler
-from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, plan
+from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, lives_of, plan
 from kvlab.harness.sessions import sha256_file, trace_path, workload
 from kvlab.paths import state_dir
 
@@ -165,7 +165,7 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sc = c.scenarios
-    for prefix_caching, names in _lives(c):
+    for prefix_caching, names in lives_of(c, p.setup):
         params = engine_params(c, model, served, work, prefix_caching, max_prompt)
         try:
             deployment = setups.render(p.setup, params)
@@ -224,8 +224,3 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
         finally:
             server.stop()
 
-
-def _lives(c: Campaign) -> list[tuple[bool, list[str]]]:
-    from kvlab.harness.plan import lives_of
-
-    return lives_of(c)
