@@ -1,4 +1,8 @@
-"""`kvlab campaign run|validate|plan` and `kvlab report RUN... [--summary-json]`."""
+"""`kvlab campaign run|validate|plan` and `kvlab report RUN... [--summary-json]`.
+
+`campaign run FILE [--engine local|systemd --endpoint URL] [--runs-dir DIR]`: local engines
+(the default) or, on a lab node, the vllm_server role's systemd units (roles/bench_runner).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlab.harness import campaign as campaign_mod
+
+if TYPE_CHECKING:
+    from kvlab.harness.runner import Engines
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = s.add_parser("run", help="run a campaign end to end and write results/runs/<run-id>/ with its report")
     r.add_argument("file", type=Path)
     r.add_argument("--dry-run", action="store_true", help="print the plan and an estimate; start nothing")
-    r.add_argument("--results", type=Path, default=Path("results/runs"), help="runs folder (default results/runs)")
+    r.add_argument("--runs-dir", "--results", dest="runs_dir", type=Path, default=Path("results/runs"),
+                   help="runs folder (default results/runs)")
+    r.add_argument("--engine", choices=("local", "systemd"), default="local",
+                   help="local: start the engines here (default); systemd: drive the units the vllm_server "
+                        "role installed on this node (needs --endpoint)")
+    r.add_argument("--endpoint", help="with --engine systemd: the engine's base URL as this node reaches it")
     r.add_argument("--keep-stores", action="store_true", help="keep the setups' KV stores after the run")
     r.add_argument("--no-report", action="store_true", help="write the raw results only")
     r.set_defaults(func=_run)
@@ -67,6 +80,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from kvlab.cli import UserError
 
+    engines = _engines(args)
     if args.dry_run:
         return _plan(args)
     from kvlab.harness.report import render_run
@@ -75,7 +89,8 @@ def _run(args: argparse.Namespace) -> int:
     c, sha = _load(args.file)
     t0 = time.monotonic()
     try:
-        run_dir = run_campaign(c, args.file, sha, args.results, keep_stores=args.keep_stores)
+        run_dir = run_campaign(c, args.file, sha, args.runs_dir, keep_stores=args.keep_stores,
+                               engines=engines)
     except campaign_mod.CampaignError as e:
         raise UserError(str(e)) from None
     print(f"campaign {c.name}: {time.monotonic() - t0:.0f} s; results in {run_dir}", file=sys.stderr)
@@ -84,6 +99,30 @@ def _run(args: argparse.Namespace) -> int:
         print(f"report: {md}", file=sys.stderr)
         print(md.read_text())
     return 0
+
+
+def _engines(args: argparse.Namespace) -> Engines | None:
+    """The engine controller the options choose (None: the runner's local default); a wrong
+    combination is a one-line error, also with --dry-run."""
+    from urllib.parse import urlparse
+
+    from kvlab.cli import UserError
+
+    if args.engine == "local":
+        if args.endpoint:
+            raise UserError("--endpoint is for --engine systemd (local engines listen on ports the harness "
+                            "chooses): drop --endpoint, or add --engine systemd")
+        return None
+    if not args.endpoint:
+        raise UserError("--engine systemd needs --endpoint URL, the engine's base URL as this node "
+                        "reaches it (e.g. --endpoint http://127.0.0.1:8000)")
+    url = urlparse(args.endpoint)
+    if url.scheme != "http" or not url.hostname or not url.port or url.path not in ("", "/"):
+        raise UserError(f"--endpoint {args.endpoint}: give the engine's base URL as http://HOST:PORT "
+                        "(e.g. http://127.0.0.1:8000)")
+    from kvlab.engine_systemd import SystemdEngines
+
+    return SystemdEngines(args.endpoint)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvlab import setups
 from kvlab.engine import EngineError, EngineServer, drop_page_cache
@@ -59,6 +59,30 @@ class Progress:
         self.steps = keep
 
 
+class Engines(Protocol):
+    """How a setup's engine is rendered and controlled: LocalEngines here, or
+    kvlab.engine_systemd.SystemdEngines on a lab node (`--engine systemd`)."""
+
+    def deployment(self, setup: str, params: setups.EngineParams) -> setups.Deployment: ...
+
+    def server(self, deployment: setups.Deployment, log_dir: Path) -> EngineServer: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class LocalEngines:
+    """Engines started by the harness as its own processes (the embedded default)."""
+
+    def deployment(self, setup: str, params: setups.EngineParams) -> setups.Deployment:
+        return setups.render(setup, params)
+
+    def server(self, deployment: setups.Deployment, log_dir: Path) -> EngineServer:
+        return EngineServer(deployment, log_dir)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "local"}
+
+
 def engine_params(c: Campaign, model: Path, served: str, work: Path, prefix_caching: bool,
                   max_prompt: int) -> setups.EngineParams:
     kvb = kv_bytes_per_token(c)
@@ -104,7 +128,8 @@ def check_device(c: Campaign) -> None:
 
 
 def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: Path,
-                 keep_stores: bool = False) -> Path:
+                 keep_stores: bool = False, engines: Engines | None = None) -> Path:
+    engines = engines or LocalEngines()
     check_device(c)
     base = campaign_path.parent
     plans = plan(c, base)
@@ -123,7 +148,9 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
         if not p.runs:
             continue
         try:
-            d = setups.render(p.setup, engine_params(c, model, served, work_root / p.setup, True, max_prompt))
+            first_life = next((flag for flag, _ in lives_of(c, p.setup)), True)  # its prefix caching
+            d = engines.deployment(p.setup, engine_params(c, model, served, work_root / p.setup, first_life,
+                                                          max_prompt))
         except setups.SetupError as e:
             engine_flags[p.setup] = {"error": str(e)}
         else:
@@ -135,7 +162,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
         "campaign_sha256": campaign_sha, "campaign_path": str(campaign_path),
         "git": results.git_state(), "versions": results.versions(), "host": results.host(),
         "model": model_prov, "seed": c.seed, "trace_sha256": traces, "engine": engine_flags,
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "engine_control": engines.describe(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "note": "engine ports are chosen free per engine life; argv shows the first life's",
     }
     writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
@@ -149,7 +176,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
                 writer.append({"kind": "skip", "setup": p.setup, "reason": p.reason})
                 note(f"{p.setup}: skipped: {p.reason}")
                 continue
-            run_setup(c, p, model, served, work_root / p.setup, max_prompt, writer, progress, base)
+            run_setup(c, p, model, served, work_root / p.setup, max_prompt, writer, progress, base, engines)
             if not keep_stores:
                 shutil.rmtree(work_root / p.setup, ignore_errors=True)
     finally:
@@ -161,20 +188,20 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
 
 
 def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, max_prompt: int,
-              writer: results.RunWriter, progress: Progress, base: Path) -> None:
+              writer: results.RunWriter, progress: Progress, base: Path, engines: Engines) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sc = c.scenarios
     for prefix_caching, names in lives_of(c, p.setup):
         params = engine_params(c, model, served, work, prefix_caching, max_prompt)
         try:
-            deployment = setups.render(p.setup, params)
+            deployment = engines.deployment(p.setup, params)
         except setups.SetupError as e:
             writer.append({"kind": "skip", "setup": p.setup, "reason": str(e)})
             note(f"{p.setup}: skipped: {e}")
             progress.skip_setup(p.setup)
             return
-        server = EngineServer(deployment, writer.dir / "logs")
+        server = engines.server(deployment, writer.dir / "logs")
         extra = (deployment.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
         cm_url = f"http://127.0.0.1:{extra['metrics_port']}/metrics" if "metrics_port" in extra else None
         sampler = MemorySampler(server.pids, c.memory.interval_s, writer.append, p.setup)
