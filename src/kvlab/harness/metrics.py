@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -112,3 +113,112 @@ def decode_rate_per_agent(per_agent: Iterable[Sequence[tuple[int, float, float]]
 def throughput(prompt_tokens: int, output_tokens: int, total_s: float) -> float:
     """Total token throughput of one round: all tokens / wall time of the round."""
     return (prompt_tokens + output_tokens) / total_s
+
+
+# ---- LMCache MP: its restore, phase by phase --------------------------------------------
+# What LMCache and vLLM expose on the CPU engine (engine-driven transfer, KV pickled over
+# ZMQ), each read as its change over one request; nothing here is estimated.
+LOOKUP_HISTOGRAM = "vllm:lmcache_mp_lookup_duration_seconds"  # scheduler: lookup submitted .. answered
+# vLLM's own request timers: WAITING (queue: lookup, async KV load, waits between steps)
+# and PREFILL (first scheduled .. first token: compute of the tokens not restored).
+ENGINE_HISTOGRAMS = {
+    "engine_ttft_s": "vllm:time_to_first_token_seconds",
+    "engine_queue_s": "vllm:request_queue_time_seconds",
+    "engine_prefill_s": "vllm:request_prefill_time_seconds",
+}
+# The cache server's counters (its Prometheus text on its HTTP port's /metrics).
+SERVER_COUNTERS = {
+    "lookup_requested_tokens": "lmcache_mp_lookup_requested_tokens_total",
+    "lookup_hit_tokens": "lmcache_mp_lookup_hit_tokens_total",
+    "lookup_hit_l1_tokens": "lmcache_mp_lookup_hit_l1_tokens_total",
+    "lookup_hit_l2_tokens": "lmcache_mp_lookup_hit_l2_tokens_total",
+    "l1_read_chunks": "lmcache_mp_l1_read_chunks_total",  # chunks read out of L1 for the engine
+    "l2_load_chunks": "lmcache_mp_l2_prefetch_load_completed_chunks_total",  # chunks brought up from L2
+}
+# L2 -> L1 loads: bytes / (completed - submitted) per load, in GB/s (its only L2 timer).
+L2_LOAD_HISTOGRAM = "lmcache_mp_l2_load_throughput_GB_per_second"
+# The cache server's INFO lines that carry times (engine_driven_transfer.commit_retrieve and
+# storage_manager's prefetch result); no Prometheus metric times the engine-driven retrieve.
+_RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([0-9.]+) seconds")
+_PREFETCHED = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys "
+                         r"\((\d+) L1, (\d+) L2\) in ([0-9.]+) ms")
+
+
+def _family(metrics: dict[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+def histogram_delta(after: dict[str, float], before: dict[str, float], name: str) -> tuple[float, int] | None:
+    """(sum, count) a Prometheus histogram gained between two scrapes; None if it is absent."""
+    if not any(k.startswith(name + "_count") for k in after):
+        return None
+    s = _family(after, name + "_sum") - _family(before, name + "_sum")
+    n = _family(after, name + "_count") - _family(before, name + "_count")
+    return s, round(n)
+
+
+@dataclass(frozen=True)
+class ServerLog:
+    """What the cache server's log says about the requests between two offsets."""
+
+    retrieve_s: float  # server answered prepare_retrieve .. the worker's commit_retrieve arrived
+    retrieved_tokens: int
+    retrieves: int
+    prefetch_s: float  # lookup submitted on the server .. its L1/L2 prefetch result collected
+    prefetch_l1_keys: int
+    prefetch_l2_keys: int
+    prefetches: int
+
+
+def parse_server_log(text: str) -> ServerLog:
+    """Sum the cache server's retrieve and prefetch lines in a slice of its log."""
+    ret = [(int(m[1]), float(m[2])) for m in _RETRIEVED.finditer(text)]
+    pre = [(int(m[3]), int(m[4]), float(m[5]) / 1000) for m in _PREFETCHED.finditer(text)]
+    return ServerLog(
+        retrieve_s=sum(s for _, s in ret), retrieved_tokens=sum(n for n, _ in ret), retrieves=len(ret),
+        prefetch_s=sum(s for _, _, s in pre), prefetch_l1_keys=sum(a for a, _, _ in pre),
+        prefetch_l2_keys=sum(b for _, b, _ in pre), prefetches=len(pre),
+    )
+
+
+def lmcache_breakdown(ttft_s: float, engine_after: dict[str, float], engine_before: dict[str, float],
+                      server_after: dict[str, float], server_before: dict[str, float],
+                      log: ServerLog | None) -> dict[str, float | int | None]:
+    """One LMCache request's phases, from the scrapes around it and its slice of the server log.
+
+    rest_s is what the measured phases leave of the client's TTFT: the server's gather and
+    pickle before its answer, the scheduler's steps between lookup, load and compute, HTTP.
+    It is only given where vLLM's own timers show lookup and retrieve inside the WAITING
+    phase and the prefill after it (they do on the CPU engine, whose load is asynchronous);
+    otherwise the phases could overlap and a difference would mean nothing.
+    """
+    out: dict[str, float | int | None] = {}
+    lookup = histogram_delta(engine_after, engine_before, LOOKUP_HISTOGRAM)
+    out["lookup_s"], out["lookups"] = (lookup if lookup else (None, None))
+    for key, name in ENGINE_HISTOGRAMS.items():
+        d = histogram_delta(engine_after, engine_before, name)
+        out[key] = d[0] if d and d[1] == 1 else None  # one request, one observation
+    if log is not None:
+        out.update(retrieve_s=log.retrieve_s, retrieved_tokens=log.retrieved_tokens, retrieves=log.retrieves,
+                   server_prefetch_s=log.prefetch_s, prefetch_l1_keys=log.prefetch_l1_keys,
+                   prefetch_l2_keys=log.prefetch_l2_keys)
+    for key, name in SERVER_COUNTERS.items():
+        if any(k == name or k.startswith(name + "{") for k in server_after):
+            out["server_" + key] = _family(server_after, name) - _family(server_before, name)
+    l2 = histogram_delta(server_after, server_before, L2_LOAD_HISTOGRAM)
+    if l2 and l2[1] > 0:
+        out["server_l2_load_gb_s"] = l2[0] / l2[1]  # mean of the request's loads
+    out["rest_s"] = lmcache_rest(ttft_s, out.get("lookup_s"), out.get("retrieve_s"),  # type: ignore[arg-type]
+                                 out.get("engine_queue_s"), out.get("engine_prefill_s"))  # type: ignore[arg-type]
+    return out
+
+
+def lmcache_rest(ttft_s: float, lookup_s: float | None, retrieve_s: float | None,
+                 queue_s: float | None, prefill_s: float | None) -> float | None:
+    """TTFT less lookup, retrieve and prefill, where they are disjoint parts of it (see above)."""
+    if None in (lookup_s, retrieve_s, queue_s, prefill_s):
+        return None
+    assert lookup_s is not None and retrieve_s is not None and queue_s is not None and prefill_s is not None
+    if lookup_s + retrieve_s > queue_s + 1e-3:  # the load ran (partly) inside the prefill
+        return None
+    return ttft_s - lookup_s - retrieve_s - prefill_s

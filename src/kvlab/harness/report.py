@@ -87,6 +87,60 @@ def restore_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     return rows
 
 
+LMCACHE_BREAKDOWN_NOTE = [
+    "What vLLM and LMCache expose, each as its change over one request (nothing else runs); medians, each "
+    "phase on its own, so they need not add up; restores that restored nothing (recomputes) are counted apart.",
+    "",
+    "- **lookup**: vLLM's `vllm:lmcache_mp_lookup_duration_seconds`, the scheduler's lookup from submitted to "
+    "answered. **server prefetch**, part of it: the cache server's logged time to its prefetch result "
+    "(L1 hits, and L2 loads after a restart).",
+    "- **retrieve → commit**: the cache server's logged `Retrieved N tokens in X seconds`, from its answer to "
+    "`prepare_retrieve` until the worker's `commit_retrieve` arrives: the transfer to the engine (chunks "
+    "pickled over ZMQ, unpickled), the injection (scatter into vLLM's paged KV cache) and the commit. LMCache "
+    "times these three only together on the CPU engine (engine-driven transfer): no metric of its cache "
+    "server times them apart or counts their bytes (tokens are given).",
+    "- **vLLM queue / prefill**: vLLM's own request timers, `request_queue_time_seconds` (WAITING: lookup and "
+    "the asynchronous load run there) and `request_prefill_time_seconds` (compute of the tokens not restored).",
+    "- **rest** = TTFT − lookup − retrieve − prefill, not measured apart: the cache server's gather and pickle "
+    "of the chunks before its answer, the scheduler's steps between lookup, load and compute, and HTTP. Empty "
+    "where vLLM's timers do not show those phases as disjoint.",
+]
+
+
+def lmcache_breakdown_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
+    rows = ["| setup | restore | TTFT s | lookup s | server prefetch s | retrieve → commit s | tokens retrieved "
+            "| vLLM queue s | vLLM prefill s | rest s | restored · recomputed |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, s, _ in cols:
+        for kind, b in (("warm", s.lmcache_warm_restore), ("after restart", s.lmcache_restart_restore)):
+            if b is None:
+                continue
+            rows.append(
+                f"| {label} | {kind} | {f3(b.ttft_s)} | {f3(b.lookup_s)} | {f3(b.server_prefetch_s)} "
+                f"| {f3(b.retrieve_s)} | {f3(b.retrieved_tokens, 0)} | {f3(b.engine_queue_s)} "
+                f"| {f3(b.engine_prefill_s)} | {f3(b.rest_s)} | {b.samples} · {b.misses} |")
+    return rows if len(rows) > 2 else []
+
+
+def ratio_line(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
+    """kvlab's warm restore over lmcache-mp's, per run, with what lmcache-mp's is made of."""
+    out = []
+    runs = {id(r): r for _, _, r in cols}
+    for run in runs.values():
+        k, lm = run.summary.setups.get("kvlab"), run.summary.setups.get("lmcache-mp")
+        if not (k and lm and k.warm_restore_ttft_s and lm.warm_restore_ttft_s):
+            continue
+        where = f" ({run.run_id})" if len(runs) > 1 else ""
+        line = (f"kvlab ÷ lmcache-mp, warm restore TTFT{where}: {k.warm_restore_ttft_s:.3f} ÷ "
+                f"{lm.warm_restore_ttft_s:.3f} = {k.warm_restore_ttft_s / lm.warm_restore_ttft_s:.2f}")
+        b = lm.lmcache_warm_restore
+        if b and b.samples:
+            line += (f"; lmcache-mp's phase by phase (medians): lookup {f3(b.lookup_s)} s, retrieve → commit "
+                     f"{f3(b.retrieve_s)} s, prefill {f3(b.engine_prefill_s)} s, rest {f3(b.rest_s)} s.")
+        out.append(line)
+    return out
+
+
 def sweep_tables(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     lengths = sorted({int(k) for _, s, _ in cols for k in s.sweep}, key=int)
     if not lengths:
@@ -342,6 +396,12 @@ def render(runs: list[RunData], out: Path) -> Path:
                   f"Recompute: the first request. Warm: {warm}. After restart: the first request to a restarted "
                   "engine (page cache dropped while it was down).", ""]
         lines += restore_table(cols)
+        breakdown = lmcache_breakdown_table(cols)
+        if breakdown:
+            lines += ["", "### LMCache restore breakdown", "", *LMCACHE_BREAKDOWN_NOTE, ""] + breakdown
+            ratio = ratio_line(cols)
+            if ratio:
+                lines += [""] + ratio
     else:
         lines.append("No restore ran.")
     lines += ["", "## Sweep: TTFT and throughput by input length", ""] + sweep_tables(cols)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 from kvlab.client import Completion, complete
 from kvlab.engine import EngineServer, drop_page_cache, metric_sum, parse_prometheus
+from kvlab.harness import metrics
 from kvlab.harness.campaign import AgentsScenario, RestoreScenario, SweepScenario
 from kvlab.harness.sessions import TurnSpec, Workload, token_ids
 
@@ -35,6 +37,16 @@ VLLM_COUNTERS = {
 CONNECTOR_COUNTERS = {"read_bytes": "kvlab_read_bytes", "written_bytes": "kvlab_written_bytes",
                       "hit_tokens": "kvlab_hit_tokens", "saves_dropped": "kvlab_saves_dropped",
                       "load_error_blocks": "kvlab_load_error_blocks"}
+
+
+@dataclass(frozen=True)
+class LMCacheScrape:
+    """What an LMCache MP restore is measured against: both Prometheus texts and how far
+    the cache server's log had got."""
+
+    engine: dict[str, float]
+    server: dict[str, float]
+    log_offset: int | None
 
 
 @dataclass
@@ -72,6 +84,47 @@ class Target:
         except (OSError, urllib.error.URLError):
             return {}
 
+    def uses_lmcache_mp(self) -> bool:
+        kv = self.server.deployment.kv_transfer_config or {}
+        return kv.get("kv_connector") == "LMCacheMPConnector" and self.server.companion is not None
+
+    def lmcache_scrape(self) -> LMCacheScrape:
+        # The cache server serves its Prometheus text on its HTTP port (the one its readiness
+        # is checked on); --prometheus-port is only used when it runs without that server.
+        companion = self.server.companion
+        assert companion is not None
+        url = urllib.parse.urlparse(companion.spec.ready_url or "")
+        server: dict[str, float] = {}
+        if url.netloc:
+            try:
+                with urllib.request.urlopen(f"{url.scheme}://{url.netloc}/metrics", timeout=10) as r:
+                    server = parse_prometheus(r.read().decode())
+            except (OSError, urllib.error.URLError):
+                pass
+        try:
+            engine = self.server.metrics()
+        except (OSError, urllib.error.URLError):
+            engine = {}
+        try:
+            offset: int | None = companion.log_path.stat().st_size
+        except OSError:
+            offset = None
+        return LMCacheScrape(engine, server, offset)
+
+    def lmcache_phases(self, before: LMCacheScrape, ttft_s: float) -> dict[str, Any]:
+        """The request's LMCache phases: the scrapes' change and the server log written since."""
+        after = self.lmcache_scrape()
+        log = None
+        if before.log_offset is not None:
+            assert self.server.companion is not None
+            try:
+                with open(self.server.companion.log_path, "rb") as f:
+                    f.seek(before.log_offset)
+                    log = metrics.parse_server_log(f.read().decode(errors="replace"))
+            except OSError:
+                pass
+        return metrics.lmcache_breakdown(ttft_s, after.engine, before.engine, after.server, before.server, log)
+
     def io_mode(self) -> str | None:
         """The I/O mode the connector reports (kvlab_io_mode_info{mode=...}); None if it reports none."""
         for key, value in self.connector_metrics().items():
@@ -91,9 +144,11 @@ def completion_fields(c: Completion) -> dict[str, Any]:
 
 
 def measured(t: Target, prompt: list[int] | tuple[int, ...], max_tokens: int, base: dict[str, Any],
-             with_counters: bool = True) -> Completion | None:
-    """One request, recorded with the counters' change over it (when nothing else runs)."""
+             with_counters: bool = True, phases: bool = False) -> Completion | None:
+    """One request, recorded with the counters' change over it (when nothing else runs);
+    with phases, an LMCache MP setup's restore phases too (`lmcache`)."""
     before = t.counters() if with_counters else {}
+    lm = t.lmcache_scrape() if phases and t.uses_lmcache_mp() else None
     t0 = time.time()
     try:
         c = complete(t.server.base_url, t.model, list(prompt), max_tokens)
@@ -104,6 +159,8 @@ def measured(t: Target, prompt: list[int] | tuple[int, ...], max_tokens: int, ba
     rec = {**base, "kind": "request", "setup": t.setup, "t_start": t0, "t_end": time.time(), **completion_fields(c)}
     if with_counters:
         rec["counters"] = delta(t.counters(), before)
+    if lm is not None:
+        rec["lmcache"] = t.lmcache_phases(lm, c.ttft_s)
     t.sink(rec)
     return c
 
@@ -115,7 +172,7 @@ def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], flo
     base = {"scenario": "restore", "tokens": sc.tokens}
     step("restore: compute")
     t.set_phase("restore:compute")
-    c = measured(t, prompt, sc.output_tokens, {**base, "phase": "compute"})
+    c = measured(t, prompt, sc.output_tokens, {**base, "phase": "compute"}, phases=True)
     if c:
         t.note(f"{t.setup}: computed {sc.tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
     time.sleep(sc.settle_s)  # saves are asynchronous: let the last writes land
@@ -124,7 +181,7 @@ def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], flo
         t.set_phase("restore:warm")
         if sc.prefix_caching:  # without a prefix cache the running engine already has to restore
             t.server.reset_prefix_cache()
-        c = measured(t, prompt, sc.output_tokens, {**base, "phase": "warm", "repeat": i})
+        c = measured(t, prompt, sc.output_tokens, {**base, "phase": "warm", "repeat": i}, phases=True)
         if c:
             t.note(f"{t.setup}: warm restore {c.ttft_s:.3f} s (cached {c.cached_tokens})")
     for i in range(sc.restart_repeats):
@@ -136,7 +193,7 @@ def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], flo
             dropped = start_s[1]
         c = measured(t, prompt, sc.output_tokens,
                      {**base, "phase": "restart", "repeat": i, "engine_start_s": start_s[0],
-                      "page_cache_dropped": dropped})
+                      "page_cache_dropped": dropped}, phases=True)
         if c:
             t.note(f"{t.setup}: restore after restart {c.ttft_s:.3f} s (cached {c.cached_tokens})")
         time.sleep(sc.settle_s)

@@ -46,6 +46,28 @@ class AgentsPoint(_M):
     external_hit_tokens: float | None = Field(None, description="vLLM's external prefix-cache hits over the step")
 
 
+class LMCacheBreakdown(_M):
+    """An LMCache MP setup's restores, phase by phase: medians over those that restored tokens.
+
+    Each phase's median is taken on its own, so they need not add up to the TTFT median.
+    """
+
+    ttft_s: float | None = Field(description="client TTFT")
+    lookup_s: float | None = Field(description="vLLM's lmcache_mp_lookup_duration_seconds: lookup submitted .. answered")
+    server_prefetch_s: float | None = Field(
+        description="cache server log: lookup to prefetch result (L1, and L2 loads), inside lookup_s")
+    retrieve_s: float | None = Field(
+        description="cache server log: prepare_retrieve answered .. commit_retrieve arrived "
+        "(ZMQ transfer, unpickle, scatter into vLLM's paged KV, commit)")
+    retrieved_tokens: float | None
+    engine_queue_s: float | None = Field(description="vLLM WAITING phase (lookup, async KV load, waits)")
+    engine_prefill_s: float | None = Field(description="vLLM PREFILL phase: compute of the tokens not restored")
+    rest_s: float | None = Field(
+        description="TTFT - lookup - retrieve - prefill: server gather + pickle, scheduler steps, HTTP")
+    samples: int = Field(description="restores with an lmcache record and cached tokens")
+    misses: int = Field(0, description="restores with an lmcache record and no cached token (recomputed)")
+
+
 class PeakMemory(_M):
     engine: int | None
     cache_server: int | None
@@ -64,6 +86,8 @@ class SetupSummary(_M):
     warm_restore_cached_tokens: float | None = None
     restart_restore_cached_tokens: float | None = None
     restore_read_bytes: float | None = Field(None, description="connector bytes read per restart restore (median)")
+    lmcache_warm_restore: LMCacheBreakdown | None = None
+    lmcache_restart_restore: LMCacheBreakdown | None = None
     sweep: dict[str, SweepPoint]
     agents: dict[str, AgentsPoint]
     peak_rss_bytes: PeakMemory
@@ -84,6 +108,25 @@ def _med(xs: list[float]) -> float | None:
 
 def _restore(recs: list[dict], phase: str) -> list[dict]:
     return [r for r in recs if r.get("scenario") == "restore" and r.get("phase") == phase and "error" not in r]
+
+
+def lmcache_breakdown(recs: list[dict]) -> LMCacheBreakdown | None:
+    """Medians of the LMCache phases of restores that restored tokens; None without records."""
+    with_lm = [r for r in recs if isinstance(r.get("lmcache"), dict)]
+    if not with_lm:
+        return None
+    hits = [r for r in with_lm if (r.get("cached_tokens") or 0) > 0]
+
+    def med(key: str) -> float | None:
+        return _med([r["lmcache"][key] for r in hits if r["lmcache"].get(key) is not None])
+
+    return LMCacheBreakdown(
+        ttft_s=_med([r["ttft_s"] for r in hits]), lookup_s=med("lookup_s"),
+        server_prefetch_s=med("server_prefetch_s"), retrieve_s=med("retrieve_s"),
+        retrieved_tokens=med("retrieved_tokens"), engine_queue_s=med("engine_queue_s"),
+        engine_prefill_s=med("engine_prefill_s"), rest_s=med("rest_s"),
+        samples=len(hits), misses=len(with_lm) - len(hits),
+    )
 
 
 def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
@@ -164,6 +207,7 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
         warm_restore_cached_tokens=_med([r.get("cached_tokens") or 0 for r in warm]),
         restart_restore_cached_tokens=_med([r.get("cached_tokens") or 0 for r in rest]),
         restore_read_bytes=_med(read),
+        lmcache_warm_restore=lmcache_breakdown(warm), lmcache_restart_restore=lmcache_breakdown(rest),
         sweep=sweep, agents=agents,
         peak_rss_bytes=PeakMemory(engine=peak("engine_rss_bytes"), cache_server=peak("cache_server_rss_bytes")),
         peak_pinned_bytes=PeakMemory(engine=peak("engine_pinned_bytes"), cache_server=peak("cache_server_pinned_bytes")),
