@@ -126,7 +126,7 @@ def test_lab_engines_follow_the_inventory(lab_plan: Path) -> None:
         assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
         assert "--enforce-eager" not in argv
     assert "--enable-prefix-caching" in h200 and "--no-enable-prefix-caching" in h20
-    assert h200[h200.index("--model") + 1] == "/models/GLM-4.6-FP8"
+    assert h200[h200.index("--model") + 1] == "/models/GLM-5.3-FP8"
     assert h20[h20.index("--model") + 1] == "/models/DeepSeek-R1-0528"
     kv = json.loads(h200[h200.index("--kv-transfer-config") + 1])
     assert (
