@@ -18,11 +18,13 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from kvlab.engine import EngineError, EngineServer
+from kvlab.harness.metrics import parse_server_log
 from kvlab.harness.runner import free_port
 from kvlab.setups import EngineParams, render
 from kvlab.setups_lmcache import http_port
@@ -126,7 +128,12 @@ def life(setup: str, model: Path, work: Path) -> dict:
         else:
             time.sleep(3)
         server.reset_prefix_cache()
+        assert server.companion is not None
+        mark = server.companion.log_path.stat().st_size
         out["warm"] = generate(server.base_url, ids)
+        # What the cache server says about its retrieve (the harness's LMCache breakdown reads it).
+        tail = server.companion.log_path.read_bytes()[mark:].decode(errors="replace")
+        out["warm_server_log"] = asdict(parse_server_log(tail))
         if setup == "lmcache-mp+kvlab":
             # The detached arrangement: the engine restarts under the running cache server.
             server.restart(with_companion=False)
@@ -186,6 +193,11 @@ def test_after_a_restart_kvlab_hits_come_from_its_drives(lives: Callable[[str], 
     a = r["adapter_after_restart"]
     assert a["objects_at_start"] >= TOKENS // CHUNK - 1, "the fresh server's adapter found the objects on the drives"
     assert a["objects_loaded"] >= TOKENS // CHUNK - 1 and a["load_failures"] == 0, a
+
+
+def test_a_warm_restore_of_lmcache_mp_is_timed_by_its_cache_server(lives: Callable[[str], dict]) -> None:
+    log = lives("lmcache-mp")["warm_server_log"]
+    assert log["retrieves"] >= 1 and log["retrieved_tokens"] >= FULL and log["retrieve_s"] > 0, log
 
 
 def test_after_a_restart_lmcache_mp_recomputes(lives: Callable[[str], dict]) -> None:
