@@ -93,6 +93,13 @@ def test_l2_counters_and_load_rate_after_a_restart() -> None:
     assert "server_l1_read_chunks" not in b and b["lookup_s"] is None
 
 
+def test_a_restore_without_server_log_lines_has_no_retrieve_time_rather_than_zero() -> None:
+    b = metrics.lmcache_breakdown(4.096, parse_prometheus(ENGINE_AFTER), parse_prometheus(ENGINE_BEFORE), {}, {},
+                                  metrics.parse_server_log("Stored 2048 tokens in 0.427 seconds\n"))
+    assert (b["retrieves"], b["retrieve_s"], b["retrieved_tokens"], b["server_prefetch_s"]) == (0, None, None, None)
+    assert b["rest_s"] is None
+
+
 def test_breakdown_without_a_cache_server_log_or_metrics_leaves_those_phases_out() -> None:
     b = metrics.lmcache_breakdown(1.0, parse_prometheus(ENGINE_AFTER), parse_prometheus(ENGINE_BEFORE), {}, {}, None)
     assert "retrieve_s" not in b and "server_lookup_hit_tokens" not in b and b["rest_s"] is None

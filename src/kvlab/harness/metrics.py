@@ -199,9 +199,14 @@ def lmcache_breakdown(ttft_s: float, engine_after: dict[str, float], engine_befo
         d = histogram_delta(engine_after, engine_before, name)
         out[key] = d[0] if d and d[1] == 1 else None  # one request, one observation
     if log is not None:
-        out.update(retrieve_s=log.retrieve_s, retrieved_tokens=log.retrieved_tokens, retrieves=log.retrieves,
-                   server_prefetch_s=log.prefetch_s, prefetch_l1_keys=log.prefetch_l1_keys,
-                   prefetch_l2_keys=log.prefetch_l2_keys)
+        # No line is no measurement (no retrieve, a GPU path that logs none, a quieter log
+        # level), never a zero time: the counts say how many lines there were.
+        out.update(retrieves=log.retrieves, prefetches=log.prefetches,
+                   retrieve_s=log.retrieve_s if log.retrieves else None,
+                   retrieved_tokens=log.retrieved_tokens if log.retrieves else None,
+                   server_prefetch_s=log.prefetch_s if log.prefetches else None,
+                   prefetch_l1_keys=log.prefetch_l1_keys if log.prefetches else None,
+                   prefetch_l2_keys=log.prefetch_l2_keys if log.prefetches else None)
     for key, name in SERVER_COUNTERS.items():
         if any(k == name or k.startswith(name + "{") for k in server_after):
             out["server_" + key] = _family(server_after, name) - _family(server_before, name)
