@@ -165,8 +165,9 @@ def cache_server(p: EngineParams, l2: dict[str, Any] | None) -> ProcessSpec:
         "--supported-transfer-mode", _transfer_mode(p),
         "--l2-prefetch-policy", "retain",
         "--http-host", "127.0.0.1",
+        # Its metrics are served at /metrics on this HTTP port (what the harness reads);
+        # while the HTTP server runs, LMCache opens no separate Prometheus port.
         "--http-port", str(http_port(p)),
-        "--prometheus-port", str(port + 2),
     ]
     if l2 is not None:
         argv += ["--l2-adapter", json.dumps(l2, sort_keys=True, separators=(",", ":"))]
