@@ -5,7 +5,9 @@ interleaved repeats (the setups' order alternating), each setup's engine is star
 dropped page cache: the first request is the restore after a restart; the second is
 the engine's own prefix-cache hit (the floor); after a prefix-cache reset, the third is
 the restore on a warm engine. Both setups run with identical engine flags on the same
-cores. fio's O_DIRECT read limit is measured on the same filesystem in the same run.
+cores. fio's O_DIRECT read limit is measured on the same filesystem in every repeat, just
+before kvlab's restart, and each restore is set against the limit of its own repeat: a
+shared virtual drive's speed drifts from minute to minute.
 
 The prompt is a multiple of 512 tokens plus 2: kvlab restores whole 512-token chunks up
 to the last token, and vLLM's ExampleConnector saves (n-1) but looks up (n-2) tokens, each
@@ -28,8 +30,8 @@ from pathlib import Path
 from kvlab import setups
 from kvlab.client import complete
 from kvlab.engine import EngineServer, drop_page_cache
+from kvlab.fio import FioResult, fio_limit
 from kvlab.fio import cleanup as fio_cleanup
-from kvlab.fio import fio_limit
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.paths import state_dir
 from kvlab_connector.io_posix import supports_o_direct
@@ -112,10 +114,14 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
     samples = {s: Samples() for s in SETUPS}
     logs = work / "logs"
 
-    note(f"fio: O_DIRECT sequential read limit on {work}")
-    read_gbps, fio_runs = fio_limit(work / "fio", "read")
-    fio_cleanup(work / "fio")
-    note(f"fio read limit {read_gbps:.2f} GB/s")
+    fio_gbps: list[float] = []
+    fio_runs: list[FioResult] = []
+
+    def measure_drive() -> None:
+        gbps, runs = fio_limit(work / "fio", "read")
+        fio_gbps.append(gbps)
+        fio_runs.extend(runs)
+        note(f"fio O_DIRECT read limit on {work}: {gbps:.2f} GB/s")
 
     def life(setup: str, first: str) -> None:
         deployment = setups.render(setup, params)
@@ -156,14 +162,23 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
         for setup in order:
             done += 1
             note(f"[{done}/{total}] repeat {r + 1}/{repeats}: {setup}")
+            if setup == "kvlab":
+                measure_drive()
             life(setup, "restart")
+    fio_cleanup(work / "fio")
 
     kv_bytes = tokens // 512 * 512 * geometry.kv_bytes_per_token
     med = {s: samples[s].medians() for s in SETUPS}
     k, e = med["kvlab"], med["vllm-example"]
     recompute_all = samples["kvlab"].recompute + samples["vllm-example"].recompute
     recompute = statistics.median(recompute_all)
+    read_gbps = statistics.median(fio_gbps)
     drive_time = kv_bytes / (read_gbps * 1e9)
+    ks = samples["kvlab"]
+    # Each restart's transfer time (its TTFT above the prefix-hit floor of the same engine
+    # life) against the drive time at that repeat's fio limit; the median of the pairs.
+    over_limit = [(t - hit) / (kv_bytes / (g * 1e9))
+                  for t, hit, g in zip(ks.restart_restore, ks.prefix_hit, fio_gbps, strict=True)]
     return {
         "schema": "kvlab.demo/1",
         "tokens": tokens,
@@ -171,6 +186,7 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
         "kv_bytes_per_token": geometry.kv_bytes_per_token,
         "kv_bytes_restored": kv_bytes,
         "fio_read_gbps": read_gbps,
+        "fio_read_gbps_per_repeat": fio_gbps,
         "fio_jobs": [r.to_dict() for r in fio_runs],
         "recompute_ttft_s": recompute,
         "recompute_samples": len(recompute_all),
@@ -180,7 +196,8 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
         "restart_over_recompute": k["restart_restore_ttft_s"] / recompute,
         "kvlab_over_example": k["restart_restore_ttft_s"] / e["restart_restore_ttft_s"],
         "warm_kvlab_over_example": k["warm_restore_ttft_s"] / e["warm_restore_ttft_s"],
-        "restore_over_drive_limit": (k["restart_restore_ttft_s"] - k["prefix_hit_ttft_s"]) / drive_time,
+        "restore_over_drive_limit": statistics.median(over_limit),
+        "restore_over_drive_limit_per_repeat": over_limit,
         "drive_limit_s": drive_time,
         # What the connector picks on this path (CPU engine: POSIX, O_DIRECT where allowed).
         "io_mode": "posix-odirect" if supports_o_direct(work / "kvlab-store") else "posix-buffered",
@@ -203,10 +220,12 @@ def table(result: dict) -> str:
     rows += [
         "",
         f"prompt {result['tokens']} tokens, {result['kv_bytes_restored'] / 2**20:.0f} MiB of KV restored; "
-        f"fio O_DIRECT read limit {result['fio_read_gbps']:.2f} GB/s → {result['drive_limit_s']:.3f} s for those bytes",
+        f"fio O_DIRECT read limit {result['fio_read_gbps']:.2f} GB/s (median of the repeats) → "
+        f"{result['drive_limit_s']:.3f} s for those bytes",
         f"kvlab restart restore ÷ recompute        {result['restart_over_recompute']:.4f}  (goal ≤ 0.04)",
         f"kvlab ÷ ExampleConnector (after restart) {result['kvlab_over_example']:.3f}  (goal ≤ 0.9)",
-        f"(kvlab restart − prefix hit) ÷ drive time {result['restore_over_drive_limit']:.3f}  (goal ≤ 1.25)",
+        f"(kvlab restart − prefix hit) ÷ drive time {result['restore_over_drive_limit']:.3f}  (goal ≤ 1.25; "
+        "median of the repeats, each at its own fio limit)",
     ]
     return "\n".join(rows)
 
