@@ -21,6 +21,12 @@ from kvlab.testbed.machine import Machine
 
 REPO = paths.repo_root()
 NAME = "pytest"
+# For working on the tests: run them against a testbed already up and deployed
+# (`make testbed && make deploy inventory=testbed`, then KVLAB_TESTBED_ATTACH=default);
+# it is neither deployed again nor stopped. CI never sets it.
+ATTACH = os.environ.get("KVLAB_TESTBED_ATTACH")
+# The first deploy of fresh TCG VMs took 9-26 min here (two cores shared with engines).
+DEPLOY_TIMEOUT_S = 2400
 
 
 def _missing() -> str | None:
@@ -47,7 +53,7 @@ class Testbed:
         except KeyError as e:
             raise AttributeError(name) from e
 
-    def ansible(self, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    def ansible(self, *args: str, timeout: float = DEPLOY_TIMEOUT_S) -> subprocess.CompletedProcess:
         env = dict(
             os.environ,
             ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
@@ -75,6 +81,15 @@ def testbed(tmp_path_factory) -> Testbed:
     for sub in ("group_vars", "host_vars"):
         (inv_dir / sub).symlink_to(REPO / "inventories" / "testbed" / sub)
     inventory = inv_dir / "hosts.yml"
+    if ATTACH:
+        attached = tb.load_state(ATTACH)
+        if not tb.running(attached):
+            pytest.fail(f"KVLAB_TESTBED_ATTACH={ATTACH}: no testbed {ATTACH} running "
+                        "(make testbed && make deploy inventory=testbed first)")
+        assert attached is not None
+        tb.write_inventory(attached, inventory)
+        yield Testbed(attached, inventory)
+        return
     state = tb.up(
         NAME, transport=transport, inventory_path=inventory, log=lambda m: print(m, file=sys.stderr)
     )
@@ -87,8 +102,10 @@ def testbed(tmp_path_factory) -> Testbed:
 
 
 @pytest.fixture(scope="session")
-def deployed(testbed) -> subprocess.CompletedProcess:
+def deployed(testbed) -> subprocess.CompletedProcess | None:
     """The storage fabric deployed once by the real playbook; later tests build on it."""
+    if ATTACH:
+        return None  # deployed by `make deploy inventory=testbed`
     res = testbed.ansible("playbooks/storage.yml")
     if res.returncode != 0:
         pytest.fail(

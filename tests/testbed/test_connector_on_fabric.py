@@ -14,7 +14,8 @@ import pytest
 
 from kvlab import paths
 
-pytestmark = [pytest.mark.testbed, pytest.mark.timeout(900)]
+# The first test also waits for the session's VMs and first deploy.
+pytestmark = [pytest.mark.testbed, pytest.mark.timeout(3600)]
 
 MOUNT = "/mnt/kvstore0"
 

@@ -18,7 +18,8 @@ import pytest
 
 from kvlab.testbed import testbed as tb
 
-pytestmark = [pytest.mark.testbed, pytest.mark.timeout(1500)]
+# The first test also waits for the session's VMs and first deploy.
+pytestmark = [pytest.mark.testbed, pytest.mark.timeout(3600)]
 
 STORE_NQN = "nqn.2026-01.io.kvlab.testbed:store0"
 TARGET = "10.77.0.1"
@@ -32,6 +33,8 @@ def recap_changes(output: str) -> dict[str, int]:
 
 
 def test_deploy(deployed):
+    if deployed is None:
+        pytest.skip("attached testbed: deployed by make deploy")
     changes = recap_changes(deployed.stdout)
     assert set(changes) == {"target", "node"}, deployed.stdout[-2000:]
 
@@ -66,7 +69,7 @@ def test_verify_suites_pass(testbed, deployed, tmp_path):
 
 
 def test_status_shows_controllers_over_the_chosen_transport(testbed, deployed):
-    st = tb.status("pytest")
+    st = tb.status(testbed.state.name)
     node = next(m for m in st["machines"] if m["name"] == "node")
     ctrls = [c for c in node["nvme_controllers"] if c["subsysnqn"] == STORE_NQN]
     assert ctrls and all(c["transport"] == testbed.transport and c["state"] == "live" for c in ctrls), node
@@ -82,7 +85,7 @@ def test_host_not_on_the_allowlist_is_refused(testbed, deployed):
     )
     assert testbed.node.succeed("ls /sys/class/nvme") == before, out
     log = testbed.target.succeed("dmesg | tail -20")
-    assert "not allowed" in log or "allowed" in log, log
+    assert "not allowed" in log, log  # nvmet names the refused host
 
 
 def test_fabric_cut_fails_io_within_timeouts(testbed, deployed):
