@@ -86,4 +86,6 @@ class Machine:
 
     def set_link(self, netdev_id: str, up: bool) -> None:
         """Cut or restore a link at the qemu end (`fabric` or `mgmt`)."""
-        vm.monitor(self.state, f"set_link {netdev_id} {'on' if up else 'off'}")
+        out = vm.monitor(self.state, f"set_link {netdev_id} {'on' if up else 'off'}")
+        if out:  # qemu answers a successful set_link with nothing
+            raise MachineError(f"{self.name}: set_link {netdev_id}: {out}")

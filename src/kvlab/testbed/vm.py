@@ -155,7 +155,10 @@ def stop(state: MachineState, timeout: float = 20.0) -> None:
     pid = state.pid
     if not pid_alive(pid) or not is_our_qemu(pid, Path(state.dir)):
         return
-    monitor(state, "quit")
+    try:
+        monitor(state, "quit")
+    except OSError:
+        pass  # qemu closes the monitor as it quits
     for sig in (None, signal.SIGTERM, signal.SIGKILL):
         if sig is not None and pid_alive(pid):
             os.kill(pid, sig)
@@ -170,26 +173,29 @@ def stop(state: MachineState, timeout: float = 20.0) -> None:
             time.sleep(0.2)
 
 
-def monitor(state: MachineState, command: str, timeout: float = 5.0) -> str:
-    """One human-monitor command (e.g. `set_link fabric off`); returns its output."""
-    try:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(timeout)
-            s.connect(str(state.monitor))
-            s.recv(4096)  # banner and prompt
-            s.sendall(command.encode() + b"\n")
-            out = b""
-            try:
-                while not out.rstrip().endswith(b"(qemu)"):
-                    chunk = s.recv(4096)
-                    if not chunk:
-                        break
-                    out += chunk
-            except TimeoutError:
-                pass
-            return out.decode(errors="replace")
-    except OSError:
-        return ""
+def monitor(state: MachineState, command: str, timeout: float = 10.0) -> str:
+    """One human-monitor command (e.g. `set_link fabric off`); returns its output once
+    qemu has run it. The banner's prompt is read before the command goes out, and the
+    command's echo and the next prompt after: closing the socket earlier can drop a
+    command qemu has not read yet (a `set_link on` was lost that way)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(str(state.monitor))
+        _until_prompt(s, b"")
+        s.sendall(command.encode() + b"\n")
+        out = _until_prompt(s, b"\r\n")
+    text = out.decode(errors="replace")
+    return text[text.index("\r\n") + 2:].rsplit("(qemu)", 1)[0].strip()
+
+
+def _until_prompt(s: socket.socket, after: bytes) -> bytes:
+    out = b""
+    while not (after in out and out.rstrip().endswith(b"(qemu)")):
+        chunk = s.recv(4096)
+        if not chunk:
+            raise OSError("qemu's monitor closed the connection")
+        out += chunk
+    return out
 
 
 def ssh_base(state: MachineState, key: Path) -> list[str]:
