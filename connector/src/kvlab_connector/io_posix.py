@@ -54,11 +54,9 @@ class PosixEngine:
     def submit_read(self, fd: int, buf: memoryview, offset: int) -> Future[int]:
         return self._pool.submit(_pread_full, fd, buf, offset)
 
-    def submit_write(self, fd: int, buf: memoryview, offset: int) -> Future[int]:
-        return self._pool.submit(_pwrite_full, fd, buf, offset)
-
     def submit(self, fn, *args) -> Future:  # type: ignore[no-untyped-def]
-        """Run other blocking work (open, rename, verify) on the same threads."""
+        """Run other blocking work on the same threads (the store's writes: one drain
+        per fragment file, see store.ObjectWriter)."""
         return self._pool.submit(fn, *args)
 
     def shutdown(self) -> None:
@@ -75,10 +73,6 @@ def _pread_full(fd: int, buf: memoryview, offset: int) -> int:
             break  # end of file: a truncated fragment, the caller sees a short read
         done += got
     return done
-
-
-def _pwrite_full(fd: int, buf: memoryview, offset: int) -> int:
-    return pwritev_full(fd, [buf], offset)
 
 
 def pwritev_full(fd: int, bufs: list[memoryview], offset: int) -> int:
