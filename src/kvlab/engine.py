@@ -18,9 +18,13 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlab.setups import Deployment, ProcessSpec
 from kvlab_connector.osutil import drop_page_cache, pid_alive
+
+if TYPE_CHECKING:
+    from kvlab.harness.memory import Usage
 
 __all__ = ["EngineError", "EngineServer", "ManagedProcess", "drop_page_cache", "group_alive", "log_tail",
            "metric_sum", "parse_prometheus"]
@@ -278,6 +282,12 @@ class EngineServer:
             "engine": self.engine.pid,
             "cache_server": self.companion.pid if self.companion else None,
         }
+
+    def memory(self) -> dict[str, Usage | None]:
+        """What the memory sampler records: each process tree (a local engine is no unit)."""
+        from kvlab.harness.memory import process_tree
+
+        return {role: process_tree(pid) if pid is not None else None for role, pid in self.pids().items()}
 
     def reset_prefix_cache(self) -> None:
         req = urllib.request.Request(self.base_url + "/reset_prefix_cache", method="POST", data=b"")

@@ -5,8 +5,9 @@ one unit per setup from the setup registry (kvlab-vllm-<setup>.service, and
 kvlab-cache-<setup>.service for a setup with a cache server) and writes each setup's
 Deployment to /etc/kvlab/setups/<setup>.json. SystemdEngine drives those units with the
 interface the runner and the scenarios use from EngineServer (start, stop, restart,
-pids, base_url, engine/companion with stop()), so nothing above it knows which kind of
-engine it measures. Every systemctl and journalctl call goes through `run_command`.
+pids, memory, base_url, engine/companion with stop()), so nothing above it knows which
+kind of engine it measures. Every systemctl and journalctl call goes through `run_command`.
+Memory is each unit's cgroup v2 memory.current/memory.peak (kvlab.harness.memory).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlab.engine import EngineError, EngineServer
+from kvlab.harness.memory import CgroupUnreadable, Usage, cgroup_usage, process_tree
 from kvlab.setups import Deployment, EngineParams, ProcessSpec, SetupError
 
 # vllm_server_config_dir (the role's default) + /setups: one <setup>.json per rendered setup.
@@ -135,6 +137,10 @@ class Systemd:
     def journal_tail(self, unit: str, since: float | None = None) -> str:
         return "\n" + self.journal(unit, since, JOURNAL_LINES)
 
+    def cgroup_dir(self, control_group: str) -> Path:
+        """A unit's folder on the unified (cgroup v2) hierarchy."""
+        return self.cgroup_root / control_group.lstrip("/")
+
     def cgroup_pids(self, control_group: str) -> list[int]:
         """The processes of a unit's cgroup (unified hierarchy, else the v1 systemd one)."""
         for base in (self.cgroup_root, self.cgroup_root / "systemd"):
@@ -186,14 +192,32 @@ class SystemdUnit:
 
     @property
     def pid(self) -> int | None:
+        return self._pid(self.systemd.show(self.unit))
+
+    def _pid(self, props: dict[str, str]) -> int | None:
         """MainPID; while systemd knows none, the cgroup's process whose parent is outside it
-        (the root of the tree the memory sampler walks)."""
-        props = self.systemd.show(self.unit)
+        (the root of the process tree)."""
         if props.get("MainPID", "0") not in ("", "0"):
             return int(props["MainPID"])
         members = self.systemd.cgroup_pids(props.get("ControlGroup", "")) if props.get("ControlGroup") else []
         roots = [p for p in members if _ppid(p) not in members]
         return min(roots) if roots else None
+
+    def memory(self) -> Usage | None:
+        """The unit's memory from its cgroup v2 files (the whole unit: children and page cache
+        charged to it); the process tree, with the reason, where they cannot be read; None
+        while the unit runs no process."""
+        props = self.systemd.show(self.unit)
+        pid = self._pid(props)
+        if pid is None:
+            return None
+        cg = props.get("ControlGroup", "")
+        if not cg:
+            return process_tree(pid, f"systemd reports no ControlGroup for {self.unit}")
+        try:
+            return cgroup_usage(self.systemd.cgroup_dir(cg))
+        except CgroupUnreadable as e:
+            return process_tree(pid, str(e))
 
     def alive(self) -> bool:
         return self.systemd.show(self.unit).get("ActiveState") == "active"
@@ -293,6 +317,10 @@ class SystemdEngine(EngineServer):
     @property
     def base_url(self) -> str:
         return self.endpoint
+
+    def memory(self) -> dict[str, Usage | None]:
+        """What the memory sampler records: each unit's cgroup (or its process tree, and why)."""
+        return {"engine": self.engine.memory(), "cache_server": self.companion.memory() if self.companion else None}
 
     @property
     def units(self) -> list[str]:

@@ -1,13 +1,28 @@
-"""The memory scenario: RSS and pinned memory of the engine's process tree and, separately,
-of the cache server's, sampled through every scenario by a background thread."""
+"""The memory scenario: memory and pinned memory of the engine and, separately, of the cache
+server, sampled through every scenario by a background thread.
+
+One place decides where a figure comes from. A local engine (a child of the harness) is
+measured over its process tree: RSS summed over the process and its descendants. A systemd
+unit (the lab path) is measured by its cgroup v2 files: `memory.current` and `memory.peak`
+count the whole unit, children and page cache charged to it included, and the peak catches
+what happens between two samples. Where the cgroup cannot be read, the process tree stands
+in and the record says why.
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import psutil
+
+CGROUP = "cgroup"
+PROCESS_TREE = "process_tree"
 
 
 def _pinned_bytes(pid: int) -> int:
@@ -42,12 +57,82 @@ def tree_usage(pid: int | None) -> tuple[int, int]:
     return rss, pinned
 
 
-class MemorySampler:
-    """Samples every interval_s until stopped; `phase` labels what runs now."""
+@dataclass(frozen=True)
+class Usage:
+    """The memory of one engine or cache server at one instant, and where it was read."""
 
-    def __init__(self, pids: Callable[[], dict[str, int | None]], interval_s: float,
-                 sink: Callable[[dict], None], setup: str):
-        self.pids = pids
+    current_bytes: int  # process tree: RSS; cgroup: memory.current
+    pinned_bytes: int  # VmPin + VmLck over the tree, or over the cgroup's processes
+    source: Literal["cgroup", "process_tree"] = PROCESS_TREE
+    peak_bytes: int | None = None  # cgroup: memory.peak, the high-water mark since the unit started
+    fallback: str | None = None  # why not (all of) the cgroup's figures, where they were sought
+
+    def fields(self, prefix: str) -> dict[str, object]:
+        """The record's fields for `prefix` (engine, cache_server)."""
+        return {f"{prefix}_rss_bytes": self.current_bytes, f"{prefix}_pinned_bytes": self.pinned_bytes,
+                f"{prefix}_peak_bytes": self.peak_bytes, f"{prefix}_memory_source": self.source,
+                f"{prefix}_memory_fallback": self.fallback}
+
+
+def process_tree(pid: int, fallback: str | None = None) -> Usage:
+    rss, pinned = tree_usage(pid)
+    return Usage(rss, pinned, PROCESS_TREE, None, fallback)
+
+
+class CgroupUnreadable(Exception):
+    """A unit's cgroup v2 memory files cannot be read; the message says why (for the record)."""
+
+
+def _read_int(path: Path) -> int:
+    return int(path.read_text().split()[0])
+
+
+def cgroup_procs(cg: Path) -> list[int]:
+    """Every process in a cgroup and the cgroups below it."""
+    pids: list[int] = []
+    for dirpath, _, files in os.walk(cg):
+        if "cgroup.procs" in files:
+            try:
+                pids += [int(p) for p in (Path(dirpath) / "cgroup.procs").read_text().split()]
+            except (OSError, ValueError):
+                continue
+    return pids
+
+
+def cgroup_usage(cg: Path) -> Usage:
+    """The unit's memory from its cgroup v2 folder (/sys/fs/cgroup/<ControlGroup>)."""
+    current = cg / "memory.current"
+    try:
+        now = _read_int(current)
+    except FileNotFoundError:
+        if not cg.is_dir():
+            raise CgroupUnreadable(f"no cgroup folder {cg}") from None
+        if not (cg / "cgroup.controllers").exists():
+            raise CgroupUnreadable(f"{cg} is not on a cgroup v2 (unified) hierarchy") from None
+        raise CgroupUnreadable(f"no {current}: the memory controller is not enabled for this cgroup") from None
+    except (OSError, ValueError, IndexError) as e:
+        raise CgroupUnreadable(f"{current} unreadable: {e}") from None
+    try:
+        peak, why = _read_int(cg / "memory.peak"), None
+    except FileNotFoundError:
+        peak, why = None, "no memory.peak (kernel < 5.19): peaks are the sampled memory.current"
+    except (OSError, ValueError, IndexError) as e:
+        peak, why = None, f"memory.peak unreadable ({e}): peaks are the sampled memory.current"
+    pinned = sum(_pinned_bytes(p) for p in cgroup_procs(cg))
+    return Usage(now, pinned, CGROUP, peak, why)
+
+
+MemoryOf = Callable[[], dict[str, Usage | None]]
+
+
+class MemorySampler:
+    """Samples every interval_s until stopped; `phase` labels what runs now.
+
+    `memory` is the server's `memory()`: each of engine and cache_server measured from its
+    source, None where it does not run (nothing is recorded while the engine is down)."""
+
+    def __init__(self, memory: MemoryOf, interval_s: float, sink: Callable[[dict], None], setup: str):
+        self.memory = memory
         self.interval_s = interval_s
         self.sink = sink
         self.setup = setup
@@ -56,20 +141,22 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"memory[{setup}]", daemon=True)
 
-    def sample(self) -> dict:
-        pids = self.pids()
-        e_rss, e_pin = tree_usage(pids.get("engine"))
-        c_rss, c_pin = tree_usage(pids.get("cache_server"))
-        rec = {"kind": "memory", "setup": self.setup, "phase": self.phase, "t": time.time(),
-               "engine_rss_bytes": e_rss, "engine_pinned_bytes": e_pin,
-               "cache_server_rss_bytes": c_rss if pids.get("cache_server") else None,
-               "cache_server_pinned_bytes": c_pin if pids.get("cache_server") else None}
+    def record(self, usage: dict[str, Usage | None]) -> dict:
+        rec: dict = {"kind": "memory", "setup": self.setup, "phase": self.phase, "t": time.time()}
+        for prefix in ("engine", "cache_server"):
+            u = usage.get(prefix)
+            rec |= u.fields(prefix) if u else dict.fromkeys(Usage(0, 0).fields(prefix))  # all null
         return rec
+
+    def sample(self) -> dict | None:
+        usage = self.memory()
+        return self.record(usage) if usage.get("engine") is not None else None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if self.pids().get("engine") is not None:  # none between a stop and a restart
-                self.sink(self.sample())
+            rec = self.sample()  # none between a stop and a restart
+            if rec is not None:
+                self.sink(rec)
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> MemorySampler:

@@ -198,13 +198,18 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
 
 
 def memory_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
-    out = ["| setup | engine peak RSS GiB | cache server peak RSS GiB | engine pinned GiB | cache server pinned GiB | samples |",
-           "|---|---|---|---|---|---|"]
+    out = ["| setup | engine peak RSS GiB | cache server peak RSS GiB | engine pinned GiB | cache server pinned GiB | samples "
+           "| source (engine / cache server) |",
+           "|---|---|---|---|---|---|---|"]
     for label, s, _ in cols:
         if s.skipped:
             continue
+        src = s.memory_source
+        where = ("—" if src is None else src.engine if src.cache_server in (None, src.engine)
+                 else f"{src.engine} / {src.cache_server}")
         out.append(f"| {label} | {gib(s.peak_rss_bytes.engine)} | {gib(s.peak_rss_bytes.cache_server)} | "
-                   f"{gib(s.peak_pinned_bytes.engine)} | {gib(s.peak_pinned_bytes.cache_server)} | {s.memory_samples} |")
+                   f"{gib(s.peak_pinned_bytes.engine)} | {gib(s.peak_pinned_bytes.cache_server)} | {s.memory_samples} "
+                   f"| {where} |")
     return out
 
 
@@ -355,7 +360,7 @@ def plot_memory(runs: list[RunData], out: Path) -> list[str]:
             ax.plot([t - t0 for t, _, _ in pts], [(c or 0) / 2**30 for _, _, c in pts], ls="--",
                     label=f"{label} cache server")
     ax.set_xlabel("seconds since the setup's first engine start")
-    ax.set_ylabel("RSS, GiB (process tree)")
+    ax.set_ylabel("GiB (process tree RSS, or a unit's cgroup memory.current)")
     ax.set_title("Memory over time: the bill")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

@@ -204,7 +204,7 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
         server = engines.server(deployment, writer.dir / "logs")
         extra = (deployment.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
         cm_url = f"http://127.0.0.1:{extra['metrics_port']}/metrics" if "metrics_port" in extra else None
-        sampler = MemorySampler(server.pids, c.memory.interval_s, writer.append, p.setup)
+        sampler = MemorySampler(server.memory, c.memory.interval_s, writer.append, p.setup)
 
         def restart(server: EngineServer = server, prefix_caching: bool = prefix_caching) -> float:
             s = server.start(progress=True)

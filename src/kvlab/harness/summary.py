@@ -73,6 +73,13 @@ class PeakMemory(_M):
     cache_server: int | None
 
 
+class MemorySource(_M):
+    """Where the memory figures came from: cgroup, process_tree, or both joined by '+'."""
+
+    engine: str | None = None
+    cache_server: str | None = None
+
+
 class SetupSummary(_M):
     skipped: str | None = None
     errors: list[str] = Field(default_factory=list)
@@ -93,6 +100,7 @@ class SetupSummary(_M):
     peak_rss_bytes: PeakMemory
     peak_pinned_bytes: PeakMemory
     memory_samples: int
+    memory_source: MemorySource | None = None
 
 
 class Summary(_M):
@@ -194,9 +202,15 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
 
     mem = [r for r in recs if r.get("kind") == "memory"]
 
-    def peak(key: str) -> int | None:
-        vals = [r[key] for r in mem if r.get(key) is not None]
+    def peak(*keys: str) -> int | None:
+        vals = [r[k] for r in mem for k in keys if r.get(k) is not None]
         return max(vals) if vals else None
+
+    def sources(prefix: str) -> str | None:
+        # records written before the source was recorded measured the process tree
+        found = {r.get(f"{prefix}_memory_source") or "process_tree" for r in mem
+                 if r.get(f"{prefix}_rss_bytes") is not None}
+        return "+".join(sorted(found)) or None
 
     read = [r["counters"]["connector_read_bytes"] for r in rest if "connector_read_bytes" in (r.get("counters") or {})]
     return SetupSummary(
@@ -209,9 +223,12 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
         restore_read_bytes=_med(read),
         lmcache_warm_restore=lmcache_breakdown(warm), lmcache_restart_restore=lmcache_breakdown(rest),
         sweep=sweep, agents=agents,
-        peak_rss_bytes=PeakMemory(engine=peak("engine_rss_bytes"), cache_server=peak("cache_server_rss_bytes")),
+        # a cgroup's memory.peak also holds what rose and fell between two samples
+        peak_rss_bytes=PeakMemory(engine=peak("engine_rss_bytes", "engine_peak_bytes"),
+                                  cache_server=peak("cache_server_rss_bytes", "cache_server_peak_bytes")),
         peak_pinned_bytes=PeakMemory(engine=peak("engine_pinned_bytes"), cache_server=peak("cache_server_pinned_bytes")),
         memory_samples=len(mem),
+        memory_source=MemorySource(engine=sources("engine"), cache_server=sources("cache_server")) if mem else None,
     )
 
 
