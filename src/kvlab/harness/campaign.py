@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import posixpath
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -22,6 +24,15 @@ class CampaignError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _File:
+    """Marks a field whose value is a file the campaign reads on the host it runs on: absolute,
+    or relative to the campaign file's folder. `Campaign.files` finds every such field, so
+    whatever ships a campaign elsewhere (roles/bench_runner) ships these with it."""
+
+
+CampaignFile = Annotated[str, _File()]
 
 
 class TinyModel(_Strict):
@@ -110,7 +121,7 @@ class GeneratorSource(_Strict):
 class MooncakeSource(_Strict):
     """A trace in the Mooncake format; equal hash ids become equal token blocks."""
 
-    path: str
+    path: CampaignFile
     start: int = Field(0, ge=0, description="first line replayed (0-based)")
     limit: int = Field(50, ge=1, description="lines replayed")
     block_tokens: int = Field(32, ge=1, description="tokens per hash id here (the trace's own: 512)")
@@ -231,6 +242,11 @@ class Campaign(_Strict):
         return [name for name in ("restore", "sweep", "agents")
                 if (sc := getattr(s, name)) is not None and (sc.setups is None or setup in sc.setups)]
 
+    def files(self, base: Path | None = None) -> list[FileRef]:
+        """Every file the campaign refers to (fields typed CampaignFile), resolved as the run
+        resolves them; `base` is the campaign file's folder."""
+        return [FileRef(where, value, resolve_file(value, base)) for where, value in _file_fields(self, "")]
+
     def max_prompt_tokens(self, base: Path | None = None) -> int:
         """The longest prompt any scenario sends (bounds max_model_len and the batch)."""
         from kvlab.harness.sessions import agent_max_prompt_tokens
@@ -244,6 +260,70 @@ class Campaign(_Strict):
         if s.agents:
             n = max(n, agent_max_prompt_tokens(s.agents.source, base))
         return n
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRef:
+    """A file a campaign refers to: the field naming it, the value as written, where it is."""
+
+    field: str
+    value: str
+    path: Path
+
+
+def resolve_file(value: str, base: Path | None) -> Path:
+    """A campaign's file: absolute; relative to the working folder where it exists there;
+    else relative to the campaign file's folder (`base`)."""
+    p = Path(value)
+    if not p.is_absolute() and base is not None and not p.exists():
+        p = base / p
+    return p
+
+
+def _file_fields(m: BaseModel, loc: str) -> Iterator[tuple[str, str]]:
+    for name, info in type(m).model_fields.items():
+        value, where = getattr(m, name), f"{loc}.{name}" if loc else name
+        if any(isinstance(x, _File) for x in info.metadata):
+            if value is not None:
+                yield where, value
+        elif isinstance(value, BaseModel):
+            yield from _file_fields(value, where)
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                if isinstance(v, BaseModel):
+                    yield from _file_fields(v, f"{where}.{i}")
+
+
+def shipment(path: Path) -> dict[str, Any]:
+    """What a campaign needs on another host: itself and every file it refers to, each with
+    the path it must have there relative to the campaign's copy (`dest`: the reference as
+    written, so the copy is used unchanged) and its sha256 to check on arrival.
+
+    Raises CampaignError naming the field for a file that is missing, or that a copy beside
+    the campaign could not keep valid (absolute, or outside the campaign's folder)."""
+    from kvlab.harness.sessions import sha256_file
+
+    c, sha = load(path)
+    out = {"campaign": {"field": "(the campaign)", "value": str(path), "src": str(path.resolve()),
+                        "dest": path.name, "sha256": sha},
+           "files": []}
+    seen: set[str] = set()
+    for ref in c.files(path.parent):
+        dest = posixpath.normpath(Path(ref.value).as_posix())
+        if Path(ref.value).is_absolute() or dest == ".." or dest.startswith("../"):
+            raise CampaignError(
+                f"{path}: {ref.field}: {ref.value} is {'absolute' if Path(ref.value).is_absolute() else 'outside'}"
+                f" the campaign's folder: give it relative to the campaign file, inside its folder, "
+                f"so that a copy of the campaign with its files beside it (make bench) still finds it")
+        if not ref.path.is_file():
+            raise CampaignError(f"{path}: {ref.field}: {ref.value}: no such file ({ref.path}): "
+                                "fix the path (relative to the campaign file) or add the file")
+        if dest in seen:  # two fields naming one file: shipped once
+            continue
+        seen.add(dest)
+        out["files"].append({"field": ref.field, "value": ref.value, "src": str(ref.path.resolve()),
+                             "dest": dest, "sha256": sha256_file(ref.path)})
+    return out
 
 
 def load_setup_plugins() -> None:

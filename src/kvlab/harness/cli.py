@@ -1,4 +1,4 @@
-"""`kvlab campaign run|validate|plan` and `kvlab report RUN... [--summary-json]`.
+"""`kvlab campaign run|validate|plan|files` and `kvlab report RUN... [--summary-json]`.
 
 `campaign run FILE [--engine local|systemd --endpoint URL] [--runs-dir DIR]`: local engines
 (the default) or, on a lab node, the vllm_server role's systemd units (roles/bench_runner).
@@ -28,6 +28,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl = s.add_parser("plan", help="print the plan (engine lives, steps) and a time estimate")
     pl.add_argument("file", type=Path)
     pl.set_defaults(func=_plan)
+    f = s.add_parser("files", help="list the files a campaign refers to (traces), with their sha256: what "
+                                   "roles/bench_runner ships beside it")
+    f.add_argument("file", type=Path)
+    f.add_argument("--json", action="store_true", help="the campaign and its files as JSON (src, dest, sha256)")
+    f.set_defaults(func=_files)
     r = s.add_parser("run", help="run a campaign end to end and write results/runs/<run-id>/ with its report")
     r.add_argument("file", type=Path)
     r.add_argument("--dry-run", action="store_true", help="print the plan and an estimate; start nothing")
@@ -62,6 +67,21 @@ def _validate(args: argparse.Namespace) -> int:
     for f in args.files:
         c, sha = _load(f)
         print(f"{f}: ok ({c.name}: {len(c.setups)} setups, device {c.device}, sha256 {sha[:12]})")
+    return 0
+
+
+def _files(args: argparse.Namespace) -> int:
+    from kvlab.cli import UserError
+
+    try:
+        ship = campaign_mod.shipment(args.file)
+    except campaign_mod.CampaignError as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print(json.dumps(ship, indent=2))
+    else:
+        for f in [ship["campaign"], *ship["files"]]:
+            print(f"{f['field']}: {f['dest']} <- {f['src']} (sha256 {f['sha256']})")
     return 0
 
 

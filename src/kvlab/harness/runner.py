@@ -17,7 +17,7 @@ from kvlab.harness import results, scenarios
 from kvlab.harness.campaign import Campaign, CampaignError
 from kvlab.harness.memory import MemorySampler
 from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, lives_of, plan
-from kvlab.harness.sessions import sha256_file, trace_path, workload
+from kvlab.harness.sessions import sha256_file, workload
 from kvlab.paths import state_dir
 
 
@@ -139,10 +139,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
     writer.write_once(results.CAMPAIGN, campaign_path.read_bytes())
     max_prompt = c.max_prompt_tokens(base)
     work_root = state_dir() / "campaigns" / run_id
-    traces = {}
-    if c.scenarios.agents and c.scenarios.agents.source.mooncake:
-        tp = trace_path(c.scenarios.agents.source.mooncake, base)
-        traces[str(tp)] = sha256_file(tp)
+    traces = {str(f.path): sha256_file(f.path) for f in c.files(base)}  # every file it refers to
     engine_flags = {}
     for p in plans:
         if not p.runs:

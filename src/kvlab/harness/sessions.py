@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlab.harness.campaign import AgentSource, CampaignError, GeneratorSource, MooncakeSource
+from kvlab.harness.campaign import AgentSource, CampaignError, GeneratorSource, MooncakeSource, resolve_file
 
 # Ids below 16 are left to special tokens; 8000 fits the tiny model's vocabulary and any real one.
 TOKEN_LOW, TOKEN_HIGH = 16, 8000
@@ -117,10 +117,7 @@ def read_mooncake(path: Path, start: int, limit: int) -> list[TraceRequest]:
 
 
 def trace_path(src: MooncakeSource, base: Path | None = None) -> Path:
-    p = Path(src.path)
-    if not p.is_absolute() and base is not None and not p.exists():
-        p = base / p
-    return p
+    return resolve_file(src.path, base)
 
 
 def sha256_file(path: Path) -> str:
