@@ -92,6 +92,8 @@ def inventory(state: State) -> dict:
                 "ansible_user": "root",
                 "ansible_ssh_private_key_file": state.key,
                 "ansible_ssh_common_args": vm.SSH_COMMON_ARGS,
+                # The VMs make new host keys at every boot; Mitogen reads this, not the SSH args.
+                "ansible_host_key_checking": False,
                 "ansible_python_interpreter": "/usr/bin/python3",
                 "testbed_transport": state.transport,
             },
