@@ -72,6 +72,55 @@ def test_saved_chunks_load_back_into_other_blocks(tmp_path: Path) -> None:
         assert torch.count_nonzero(kv[n][:10]) == 0, "blocks outside the load stay untouched"
 
 
+@pytest.mark.parametrize("targets", [[10, 11, 12, 13], [13, 12, 11, 10], [14, 4, 5, 9]])
+def test_loads_land_in_any_block_order(tmp_path: Path, targets: list[int]) -> None:
+    w, kv = worker(tmp_path)
+    assert w._direct_copy, "CPU KV blocks contiguous along dim 0 take the memmove path"
+    save(w, kv, [ChunkIO("a" * 32, [2, 3]), ChunkIO("b" * 32, [7, 5])])
+    before = {n: t.clone() for n, t in kv.items()}
+    for t in kv.values():
+        t.zero_()
+    assert load(w, kv, [ChunkIO("a" * 32, targets[:2]), ChunkIO("b" * 32, targets[2:])]) == set()
+    untouched = [b for b in range(BLOCKS) if b not in targets]
+    for n in kv:
+        assert torch.equal(kv[n][targets], before[n][[2, 3, 7, 5]])
+        assert torch.count_nonzero(kv[n][untouched]) == 0
+
+
+def test_blocks_interleaved_across_layers_load_in_place(tmp_path: Path) -> None:
+    """A backing shared by all layers, blocks outermost: each layer's blocks sit apart."""
+    backing = torch.randn(BLOCKS, LAYERS, HEADS, BS, 2 * HD, generator=torch.Generator().manual_seed(3))
+    kv = {f"layers.{i}.attn": backing[:, i] for i in range(LAYERS)}
+    w, _ = worker(tmp_path)
+    w.register_kv_caches(kv, BLOCKS)
+    assert w._direct_copy
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    saved = backing[[2, 3]].clone()
+    backing.zero_()
+    assert load(w, kv, [ChunkIO("a" * 32, [9, 10])]) == set()
+    assert torch.equal(backing[[9, 10]], saved)
+    assert torch.count_nonzero(backing[:9]) == 0 and torch.count_nonzero(backing[11:]) == 0
+
+
+@pytest.mark.parametrize(("ids", "runs"), [
+    ([4, 5, 6, 7], [(0, 4, 4)]),
+    ([7, 6, 5, 4], [(0, 7, 1), (1, 6, 1), (2, 5, 1), (3, 4, 1)]),
+    ([-1, 5, 6, 9], [(1, 5, 2), (3, 9, 1)]),
+    ([4, -1, 5, 6], [(0, 4, 1), (2, 5, 2)]),
+    ([-1, -1], []),
+])
+def test_block_runs(ids: list[int], runs: list[tuple[int, int, int]]) -> None:
+    from kvlab_connector.worker import _runs
+
+    assert _runs(ids) == runs
+
+
+def test_a_block_outside_the_cache_is_a_load_error_not_a_stray_write(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    assert load(w, kv, [ChunkIO("a" * 32, [BLOCKS - 1, BLOCKS])]) == {BLOCKS - 1, BLOCKS}
+
+
 def test_blocks_the_engine_already_holds_are_left_alone(tmp_path: Path) -> None:
     w, kv = worker(tmp_path)
     save(w, kv, [ChunkIO("a" * 32, [2, 3])])

@@ -7,6 +7,7 @@ copy are done. Whatever the working set, host memory for KV stays at the ring's 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import threading
 import time
@@ -42,6 +43,9 @@ class StagingRing:
             n = min(len(zeros), self.ring_bytes - off)
             view[off:off + n] = zeros[:n]
         self._view = view
+        # The mapping's address, for copies that bypass Python buffers (the worker's
+        # memmove into the paged cache); the temporary export ends with the expression.
+        self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._cond = threading.Condition()
         self.high_water = 0
@@ -67,6 +71,9 @@ class StagingRing:
     def buffer(self, slot: int, nbytes: int | None = None) -> memoryview:
         start = slot * self.slot_bytes
         return self._view[start:start + (nbytes if nbytes is not None else self.slot_bytes)]
+
+    def address(self, slot: int) -> int:
+        return self._address + slot * self.slot_bytes
 
     @property
     def in_use(self) -> int:
