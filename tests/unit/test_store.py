@@ -107,6 +107,67 @@ def test_queued_sections_go_out_as_one_vectored_write(tmp_path: Path, ring: Stag
     assert ring.in_use == 0
 
 
+def get_runs(store: Store, ring: StagingRing, i: int, max_run: int) -> list[bytes | None]:
+    """Read every section of object i with one request per run of adjacent sections."""
+    fds = store.open_object(NS, key(i), SHAPE)
+    assert fds is not None
+    out: list[bytes | None] = [None] * SHAPE.n_sections
+    try:
+        for run in store.read_runs(key(i), SHAPE, range(SHAPE.n_sections), max_run):
+            slots = [ring.acquire(timeout_s=10) for _ in run]
+            try:
+                oks = store.submit_read_sections(fds, NS, key(i), SHAPE, run, [ring.buffer(x) for x in slots]).result(30)
+                for s, slot, ok in zip(run, slots, oks, strict=True):
+                    out[s] = bytes(ring.buffer(slot, SHAPE.section_bytes)) if ok else None
+            finally:
+                for slot in slots:
+                    ring.release(slot)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return out
+
+
+@pytest.mark.parametrize(("drives", "max_run", "runs"), [
+    (1, 4, [[0, 1, 2, 3]]),
+    (1, 3, [[0, 1, 2], [3]]),
+    (1, 1, [[0], [1], [2], [3]]),
+    (2, 4, "two runs of two, one per fragment file"),
+])
+def test_adjacent_sections_are_read_as_one_request(
+    tmp_path: Path, ring: StagingRing, drives: int, max_run: int, runs: list[list[int]] | str,
+) -> None:
+    store = Store([tmp_path / f"d{d}" for d in range(drives)], capacity_bytes=1 << 30)
+    assert put(store, ring, 5)
+    got_runs = store.read_runs(key(5), SHAPE, range(SHAPE.n_sections), max_run)
+    if isinstance(runs, list):
+        assert got_runs == runs
+    else:
+        assert sorted(sorted(r) for r in got_runs) == [[0, 2], [1, 3]]
+    before = len(store.stats.io_latency_s)
+    assert get_runs(store, ring, 5, max_run) == [payload(5, s) for s in range(SHAPE.n_sections)]
+    assert len(store.stats.io_latency_s) - before == len(got_runs)
+    assert ring.in_use == 0
+
+
+def flip_a_byte_of_section_1(tmp_path: Path, i: int) -> Path:
+    f = fragment_files(tmp_path, i)[0]
+    data = bytearray(f.read_bytes())
+    data[SHAPE.stride + 17] ^= 0x40  # inside section 1's payload
+    f.write_bytes(bytes(data))
+    return f
+
+
+def test_a_bad_section_inside_a_run_is_a_miss_alone(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
+    assert put(store, ring, 1)
+    f = flip_a_byte_of_section_1(tmp_path, 1)
+    os.truncate(f, SHAPE.stride * 3 + 4096)  # and section 3 cut short
+    got = get_runs(store, ring, 1, max_run=4)
+    assert got == [payload(1, 0), None, payload(1, 2), None]
+    assert store.stats.checksum_failures == 1 and store.stats.sections_failed == 2
+
+
 def test_failed_write_discards_the_object_and_frees_its_slots(tmp_path: Path, ring: StagingRing) -> None:
     store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
     w = store.begin_write(NS, key(4), SHAPE, num_tokens=512)
@@ -124,10 +185,7 @@ def test_failed_write_discards_the_object_and_frees_its_slots(tmp_path: Path, ri
 def test_flipped_byte_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
     store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
     assert put(store, ring, 1)
-    f = fragment_files(tmp_path, 1)[0]
-    data = bytearray(f.read_bytes())
-    data[SHAPE.stride + 17] ^= 0x40  # inside section 1's payload
-    f.write_bytes(bytes(data))
+    flip_a_byte_of_section_1(tmp_path, 1)
     got = get(store, ring, 1)
     assert got[0] == payload(1, 0) and got[1] is None
     assert store.stats.checksum_failures == 1

@@ -140,10 +140,10 @@ def test_missing_object_reports_its_blocks(tmp_path: Path) -> None:
 class SlowEngine(PosixEngine):
     """A drive whose reads hang (a dead NVMe-oF path): they finish long after the deadline."""
 
-    def submit_read(self, fd: int, buf: memoryview, offset: int) -> Future[int]:
+    def submit_readv(self, fd: int, bufs: list[memoryview], offset: int) -> Future[int]:
         def slow() -> int:
             time.sleep(1.5)
-            return super(SlowEngine, self).submit_read(fd, buf, offset).result()
+            return super(SlowEngine, self).submit_readv(fd, bufs, offset).result()
 
         return self._pool.submit(slow)
 

@@ -52,7 +52,12 @@ class PosixEngine:
         self.threads = threads
 
     def submit_read(self, fd: int, buf: memoryview, offset: int) -> Future[int]:
-        return self._pool.submit(_pread_full, fd, buf, offset)
+        return self.submit_readv(fd, [buf], offset)
+
+    def submit_readv(self, fd: int, bufs: list[memoryview], offset: int) -> Future[int]:
+        """Read the file from `offset` into the buffers back to back: one request for
+        adjacent sections, however scattered their buffers."""
+        return self._pool.submit(preadv_full, fd, bufs, offset)
 
     def submit(self, fn, *args) -> Future:  # type: ignore[no-untyped-def]
         """Run other blocking work on the same threads (the store's writes: one drain
@@ -64,14 +69,20 @@ class PosixEngine:
         self._pool.shutdown(wait=True, cancel_futures=False)
 
 
-def _pread_full(fd: int, buf: memoryview, offset: int) -> int:
+def preadv_full(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """Fill the buffers from `offset` in as few system calls as the kernel allows; returns
+    the bytes read (fewer at the end of the file: a truncated fragment)."""
+    views = list(bufs)
     done = 0
-    n = len(buf)
-    while done < n:
-        got = os.preadv(fd, [buf[done:]], offset + done)
+    while views:
+        got = os.preadv(fd, views, offset + done)
         if got == 0:
-            break  # end of file: a truncated fragment, the caller sees a short read
+            break
         done += got
+        while views and got >= len(views[0]):
+            got -= len(views.pop(0))
+        if views and got:
+            views[0] = views[0][got:]
     return done
 
 

@@ -214,33 +214,66 @@ class Store:
         except OSError:
             pass
 
+    def read_runs(self, key: str, shape: ObjectShape, sections: Sequence[int], max_run: int) -> list[list[int]]:
+        """The sections cut into runs that one request can read: adjacent in one fragment
+        file, at most `max_run` long, in offset order."""
+        by_frag: dict[int, list[tuple[int, int]]] = {}
+        for s in sections:
+            frag, offset = self.placement(key, shape, s)
+            by_frag.setdefault(frag, []).append((offset, s))
+        runs: list[list[int]] = []
+        for frag in sorted(by_frag):
+            prev = None
+            for offset, s in sorted(by_frag[frag]):
+                if prev is not None and offset == prev + shape.stride and len(runs[-1]) < max_run:
+                    runs[-1].append(s)
+                else:
+                    runs.append([s])
+                prev = offset
+        return runs
+
     def submit_read_section(
         self, fds: Sequence[int], ns: str, key: str, shape: ObjectShape, section: int,
         buf: memoryview, tag: int = 0,
     ) -> Future[bool]:
         """Read one section into buf (ring slot, shape.stride bytes); the Future says
         whether it verified. buf[:section_bytes] then holds the payload."""
-        frag, offset = self.placement(key, shape, section)
-        t0 = time.perf_counter()
-        inner = self.engine.submit_read(fds[frag], buf[:shape.stride], offset)
         out: Future[bool] = Future()
+        inner = self.submit_read_sections(fds, ns, key, shape, [section], [buf], tag)
+        inner.add_done_callback(lambda f: out.set_result(f.result()[0]))
+        return out
+
+    def submit_read_sections(
+        self, fds: Sequence[int], ns: str, key: str, shape: ObjectShape, sections: Sequence[int],
+        bufs: Sequence[memoryview], tag: int = 0,
+    ) -> Future[list[bool]]:
+        """Read a run of sections (one of `read_runs`) with one request, each into its
+        own buffer (shape.stride bytes); the Future says, per section, whether it verified."""
+        frag, offset = self.placement(key, shape, sections[0])
+        t0 = time.perf_counter()
+        inner = self.engine.submit_readv(fds[frag], [b[:shape.stride] for b in bufs], offset)
+        out: Future[list[bool]] = Future()
 
         def done(fut: Future[int]) -> None:
             try:
                 got = fut.result()
-                ok = got == shape.stride and self._verify(buf, ns, key, shape, section, tag)
-            except OSError:
-                ok = False
+                # A short read (a truncated fragment) still verifies the sections it filled.
+                oks = [
+                    got >= (i + 1) * shape.stride and self._verify(buf, ns, key, shape, s, tag)
+                    for i, (s, buf) in enumerate(zip(sections, bufs, strict=True))
+                ]
+            except Exception:  # an I/O error, or anything else: those sections are misses
+                oks = [False] * len(sections)
+            n_ok = sum(oks)
             with self._lock:
                 dt = time.perf_counter() - t0
                 self.stats.note_latency(dt)
-                if ok:
-                    self.stats.bytes_read += shape.stride
+                self.stats.bytes_read += n_ok * shape.stride
+                if n_ok == len(oks):
                     self.stats.read_s += dt
-                else:
-                    self.stats.sections_failed += 1
-            metrics.observe_io(dt, read_bytes=shape.stride if ok else 0)
-            out.set_result(ok)
+                self.stats.sections_failed += len(oks) - n_ok
+            metrics.observe_io(dt, read_bytes=n_ok * shape.stride)
+            out.set_result(oks)
 
         inner.add_done_callback(done)
         return out
