@@ -15,5 +15,5 @@ testbed-status: setup ## the testbed VMs and the node's NVMe-oF controllers (JSO
 image: setup ## build the testbed VM image from scratch, print its sha256s; fails if it differs from the cached build
 	$(KVLAB) testbed image --rebuild
 
-test-testbed: setup ## testbed tier: VMs + deploy x3 (apply, again, --check) + verify + fault tests (~45 min on 2 cores; image cached by inputs)
+test-testbed: setup ## testbed tier alone: VMs + site.yml x3 (apply, again, --check) + verify + faults (~20 min; image cached by inputs)
 	$(PYTEST) tests/testbed -m testbed

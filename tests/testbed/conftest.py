@@ -103,10 +103,10 @@ def testbed(tmp_path_factory) -> Testbed:
 
 @pytest.fixture(scope="session")
 def deployed(testbed) -> subprocess.CompletedProcess | None:
-    """The storage fabric deployed once by the real playbook; later tests build on it."""
+    """The whole site deployed once by the real playbook (site.yml); later tests build on it."""
     if ATTACH:
         return None  # deployed by `make deploy inventory=testbed`
-    res = testbed.ansible("playbooks/storage.yml")
+    res = testbed.ansible("playbooks/site.yml")
     if res.returncode != 0:
         pytest.fail(
             f"deploy failed (rc {res.returncode}):\n{res.stdout[-6000:]}\n{res.stderr[-2000:]}\n"

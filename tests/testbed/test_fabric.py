@@ -40,13 +40,13 @@ def test_deploy(deployed):
 
 
 def test_second_deploy_changes_nothing(testbed, deployed):
-    res = testbed.ansible("playbooks/storage.yml")
+    res = testbed.ansible("playbooks/site.yml")
     assert res.returncode == 0, res.stdout[-4000:]
     assert recap_changes(res.stdout) == {"target": 0, "node": 0}, res.stdout[-4000:]
 
 
 def test_check_diff_mode_is_clean(testbed, deployed):
-    res = testbed.ansible("playbooks/storage.yml", "--check", "--diff")
+    res = testbed.ansible("playbooks/site.yml", "--check", "--diff")
     assert res.returncode == 0, res.stdout[-4000:]
     assert recap_changes(res.stdout) == {"target": 0, "node": 0}, res.stdout[-4000:]
 

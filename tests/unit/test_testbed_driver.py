@@ -35,6 +35,9 @@ def test_inventory_puts_vms_in_fabric_groups_with_their_ports(tmp_path):
     inv = yaml.safe_load(path.read_text())
     assert inv["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["ansible_port"] == 2201
     assert inv["all"]["children"]["nvmeof_initiators"]["hosts"]["node"]["ansible_port"] == 2202
+    # the node is the inventory's GPU node too: site.yml's GPU and serving plays run on it
+    assert inv["all"]["children"]["gpu_nodes"]["hosts"] == {"node": {"ansible_port": 2202}}
+    assert "target" not in inv["all"]["children"]["gpu_nodes"]["hosts"]
     assert inv["all"]["vars"]["testbed_transport"] == "tcp"
     assert inv["all"]["vars"]["ansible_host"] == "127.0.0.1"
 

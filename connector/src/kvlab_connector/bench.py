@@ -29,6 +29,7 @@ class StoreRun:
     objects: int
     verified: bool | None
     io_mode: str
+    paths: list[str]  # the drives it ran on: a report names what it measured
 
 
 def _key(i: int, salt: int) -> str:
@@ -93,7 +94,7 @@ def run_store(
         if bad:
             raise RuntimeError(f"{bad} sections failed verification")
         return StoreRun(total / write_s / 1e9, total / read_s / 1e9, total, n_objects,
-                        True if verify else None, store.io_mode)
+                        True if verify else None, store.io_mode, [str(p) for p in paths])
     finally:
         ring.close()
         store.close()

@@ -28,7 +28,9 @@ MACHINES = (
     vm.MachineSpec(name="node", mgmt_mac="52:54:00:6b:76:02", fabric_mac="52:54:00:6b:77:02",
                    fabric_role="connect"),
 )  # fmt: skip
-GROUPS = {"target": "nvmeof_targets", "node": "nvmeof_initiators"}
+# The node is also the inventory's GPU node: the GPU roles find no GPU there and say so, the
+# serving roles install the connector and render the units (issue: roles on a node without GPU).
+GROUPS = {"target": ("nvmeof_targets",), "node": ("nvmeof_initiators", "gpu_nodes")}
 
 
 class TestbedError(Exception):
@@ -84,7 +86,8 @@ def inventory(state: State) -> dict:
     """The Ansible inventory of a running testbed (site values stay in group_vars/host_vars)."""
     children: dict[str, dict] = {}
     for m in state.machines:
-        children.setdefault(GROUPS[m.name], {"hosts": {}})["hosts"][m.name] = {"ansible_port": m.ssh_port}
+        for group in GROUPS[m.name]:
+            children.setdefault(group, {"hosts": {}})["hosts"][m.name] = {"ansible_port": m.ssh_port}
     return {
         "all": {
             "vars": {
@@ -202,7 +205,7 @@ def status(name: str = "default") -> dict:
             "running": alive,
             "ssh_port": m.ssh_port,
             "console_log": str(m.console_log),
-            "group": GROUPS.get(m.name),
+            "groups": list(GROUPS.get(m.name, ())),
         }
         if alive:
             try:
