@@ -9,7 +9,7 @@ KVLAB := $(VENV)/bin/kvlab
 PYTEST := $(VENV)/bin/pytest
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: help setup demo test test-unit test-engine lint lock clean
+.PHONY: help setup demo test test-deps test-unit test-engine lint lock clean
 
 help: ## list every target
 	@awk 'BEGIN{FS=":.*## "} /^[a-zA-Z0-9_.-]+:.*## /{printf "  %-18s %s\n", $$1, $$2}' $(MAKEFILE_LIST) | sort
@@ -21,10 +21,15 @@ demo: setup ## the main job on the embedded default: build the tiny model, run t
 	$(KVLAB) model tiny
 	$(KVLAB) campaign run campaigns/embedded.yml
 
-# The testbed tier (VMs under TCG) runs apart, with `make test-testbed`, until it has passed
-# end to end within CI's time on this kind of machine.
-test: setup ## run the unit and engine tiers (lab tests skip without hardware)
+# The testbed tier boots its two TCG VMs only after the unit and engine tiers are done, so that
+# they never share the two cores with an engine; it builds the VM image once per set of inputs.
+test: setup test-deps ## every tier that runs here: unit, engine, then the VM testbed (~55 min on 2 cores; lab skips without hardware)
 	$(PYTEST) tests -m "not testbed"
+	$(PYTEST) tests/testbed -m testbed
+
+test-deps: ## the system packages the tests need (fio; qemu, mmdebstrap for the testbed); apt-get as root, once
+	@scripts/system-deps
+	@scripts/testbed-deps
 
 test-unit: setup ## unit tier only (seconds)
 	$(PYTEST) tests/unit
