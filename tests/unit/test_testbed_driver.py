@@ -88,3 +88,22 @@ def test_qemu_command_uses_tcg_restricted_user_net_and_tcp_socket_fabric(tmp_pat
     assert "socket,id=fabric,connect=127.0.0.1:4444" in cmd and "host_mtu=9000" in cmd
     target = " ".join(vm.qemu_command(testbed.MACHINES[0], tmp_path, tmp_path / "m", 1, 4444, tmp_path / "k"))
     assert "listen=127.0.0.1:4444" in target and "serial=kvlab-target-data0" in target
+
+
+def test_interrupted_build_is_unmounted_deepest_first_and_only_inside_its_folder(tmp_path, monkeypatch):
+    work = tmp_path / "build x"
+    (work / "rootfs").mkdir(parents=True)
+    root = str(work.resolve()).replace(" ", "\\040")
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "22 1 0:21 / /proc rw - proc proc rw\n"
+        f"90 1 0:50 / {root}/rootfs/proc ro - proc proc ro\n"
+        f"91 90 0:51 / {root}/rootfs/dev/pts rw - devpts devpts rw\n"
+        f"92 1 0:52 / {root}x/rootfs/sys ro - sysfs sys ro\n"
+    )
+    calls = []
+    monkeypatch.setattr(image.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    points = image.unmount_under(work, info)
+    inside = str(work.resolve())
+    assert points == [f"{inside}/rootfs/dev/pts", f"{inside}/rootfs/proc"]
+    assert calls == [["umount", "--lazy", p] for p in points]

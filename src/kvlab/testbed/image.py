@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -373,7 +374,25 @@ def build(defn: Definition, *, repin: bool = False) -> Path:
         os.rename(out, final)
         return final
     finally:
+        unmount_under(work)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def unmount_under(root: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> list[str]:
+    """Unmount what an interrupted mmdebstrap left mounted in the build folder (/proc, /sys,
+    /dev/pts of the chroot), deepest first, so that removing the folder never walks into them."""
+    prefix = str(root.resolve()) + "/"
+    points = []
+    for line in mountinfo.read_text().splitlines():
+        fields = line.split()
+        # mountinfo escapes blanks in paths as octal (\040)
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point.startswith(prefix):
+            points.append(point)
+    points.sort(key=len, reverse=True)
+    for point in points:
+        subprocess.run(["umount", "--lazy", point], check=False, capture_output=True)
+    return points
 
 
 def manifest(image_dir: Path) -> dict:
