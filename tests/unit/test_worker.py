@@ -188,3 +188,27 @@ def test_layout_mismatch_is_refused(tmp_path: Path, bad: str) -> None:
         match = "holds"
     with pytest.raises(RuntimeError, match=match):
         w.register_kv_caches(kv, BLOCKS)
+
+
+def test_io_threads_run_on_every_cpu_of_the_process() -> None:
+    """vLLM's CPU engine binds its main thread to one core; I/O threads must not inherit it."""
+    import os
+    import threading
+
+    from kvlab_connector.io_posix import PosixEngine, process_cpus
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs a process allowed on two CPUs")
+    seen: list[set[int]] = []
+
+    def bound_creator() -> None:
+        os.sched_setaffinity(0, {min(allowed)})  # as libgomp binds vLLM's main thread
+        engine = PosixEngine(threads=1)
+        seen.append(engine.submit(os.sched_getaffinity, 0).result(timeout=10))
+        engine.shutdown()
+
+    t = threading.Thread(target=bound_creator)
+    t.start()
+    t.join()
+    assert seen == [process_cpus()] and seen[0] == allowed

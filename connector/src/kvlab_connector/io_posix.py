@@ -42,13 +42,42 @@ def supports_o_direct(directory: str | os.PathLike) -> bool:
         buf.close()
 
 
+def process_cpus() -> set[int]:
+    """Every CPU that some thread of this process may run on."""
+    cpus: set[int] = set()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return cpus
+    for tid in tids:
+        try:
+            cpus |= os.sched_getaffinity(int(tid))
+        except (OSError, ValueError):
+            pass
+    return cpus
+
+
+def spread_over_process_cpus() -> None:
+    """Let the calling thread run on every CPU of the process. vLLM's CPU engine binds
+    its main thread to one core (libgomp's GOMP_CPU_AFFINITY) and a thread inherits its
+    creator's mask: I/O threads would otherwise all share the forward pass's core."""
+    cpus = process_cpus()
+    try:
+        if cpus and cpus != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, cpus)
+    except OSError:
+        pass
+
+
 class PosixEngine:
     """Submit a transfer, get a Future of the bytes moved; wait on the Future."""
 
     name = "posix"
 
     def __init__(self, threads: int = 8):
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvlab-io")
+        self._pool = ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="kvlab-io", initializer=spread_over_process_cpus
+        )
         self.threads = threads
 
     def submit_read(self, fd: int, buf: memoryview, offset: int) -> Future[int]:

@@ -25,6 +25,7 @@ import torch
 
 from kvlab_connector import metrics
 from kvlab_connector.config import ConnectorConfig
+from kvlab_connector.io_posix import spread_over_process_cpus
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import RingFull, StagingRing
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
@@ -211,6 +212,7 @@ class WorkerSide:
 
     def _feed(self, load: _Load) -> None:
         assert self.ring is not None
+        spread_over_process_cpus()
         fds: dict[int, list[int] | None] = {}
         for c, chunk in enumerate(load.chunks):
             fds[c] = self.store.open_object(self.ns, chunk.key, self.shape)
