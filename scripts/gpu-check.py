@@ -1,17 +1,17 @@
-"""One GPU, no vLLM: the connector's store restores objects into GPU memory through kvikio.
+"""One GPU, no vLLM: the connector's GDS path moves objects between drives and GPU memory.
 
-Writes objects with kvlab's store (striped, checksummed, committed), then restores every
-section straight into GPU memory with kvikio: GDS where nvidia-fs is loaded, its compat mode
-otherwise (reported from the connector's own probe, io_gds.probe_gds, never hidden). Proves
-every byte equal to what was written and compares the GB/s with a pinned-host -> device
-copy of the same bytes; the store's own POSIX read path (host memory, checksums verified)
-runs over the same objects for a third number. Prints a summary and one JSON line; writes
-the JSON to --out (or $OUT/gpu-check.json).
-
-The restore calls kvikio.CuFile.pread at the store's own placement (Store.placement,
-Store.fragment_path). When kvlab_connector.io_gds grows its engine, `restore_gpu` is the
-place to call it instead (expected: the io_posix interface with a device buffer,
-submit_read(fd, cuda_buffer, offset) -> Future[int]).
+1. Store: objects are written from GPU memory through the store's GDS save path (sections
+   checksummed on the device, written by kvikio) and restored straight into GPU memory
+   through its GDS read path (verified on the device): GDS where nvidia-fs is loaded,
+   kvikio's compat mode otherwise (from the connector's own probe, io_gds.probe_gds, never
+   hidden). Every byte is compared with what was written, and the GB/s with a pinned-host
+   -> device copy of the same bytes; the store's POSIX read path (host memory) reads the
+   same objects for a third number.
+2. Engine: the connector's worker side, as a GPU engine drives it (vLLM's GPU KV layout,
+   copies on CUDA streams), saves chunks and loads them back into other blocks, byte for
+   byte, once through GDS (io_engine auto) and once through the page-locked host ring
+   (io_engine posix).
+Prints a summary and one JSON line; writes the JSON to --out (or $OUT/gpu-check.json).
 
 Exit status: 0 verified, 1 a byte or checksum differs, 2 no usable GPU or store folder.
 """
@@ -49,62 +49,108 @@ def key_of(i: int) -> str:
     return hashlib.blake2b(f"gpu-check-{i}".encode(), digest_size=16).hexdigest()
 
 
-def write_objects(
-    store, shape, ns: str, n_objects: int, expected, torch, seed: int
-) -> tuple[list[str], float]:  # type: ignore[no-untyped-def]
-    """Write n_objects through the store; `expected` (on the GPU) gets every slot's bytes."""
+def write_objects(store, shape, ns: str, n_objects: int, expected, torch, seed: int) -> tuple[list[str], float]:  # type: ignore[no-untyped-def]
+    """Write n_objects from device memory through the store's GDS save path (each section
+    checksummed on the device, written by store.device_io); `expected` gets every section's
+    payload, on the device."""
     device = expected.device
-    from kvlab_connector.ring import PAGE, align_up
-
-    n, stride, pay = shape.n_sections, shape.stride, align_up(shape.section_bytes)
-    ring = mmap.mmap(-1, n * stride)  # page-aligned: O_DIRECT writes from it
-    slots = [memoryview(ring)[s * stride : (s + 1) * stride] for s in range(n)]
+    n, stride = shape.n_sections, shape.stride
+    slots = torch.zeros(n, stride, dtype=torch.uint8, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     keys, t0 = [], time.perf_counter()
     for i in range(n_objects):
         key = key_of(i)
-        payload = torch.randint(
-            0, 256, (n, shape.section_bytes), dtype=torch.uint8, device=device, generator=gen
-        )
-        host = payload.cpu().numpy()
+        payload = torch.randint(0, 256, (n, shape.section_bytes), dtype=torch.uint8, device=device, generator=gen)
+        slots[:, : shape.section_bytes] = payload
+        expected[i * n : (i + 1) * n] = payload
         writer = store.begin_write(ns, key, shape, num_tokens=4096, tag=0)
-        trailers = bytearray(n * PAGE)
         for s in range(n):
-            slots[s][: shape.section_bytes] = host[s].tobytes()
-            writer.submit_section(s, slots[s], lambda ok: None)
-            trailers[s * PAGE : (s + 1) * PAGE] = slots[s][pay : pay + PAGE]  # fill_trailer ran in submit
+            writer.submit_device_section(s, slots[s], lambda ok: None)
         if not writer.done.result(timeout=120):
             fail(2, f"the store could not commit object {i} in {store.drives}: is the folder writable?")
-        obj = expected[i * n * stride : (i + 1) * n * stride].view(n, stride)
-        obj.zero_()
-        obj[:, : shape.section_bytes] = payload
-        obj[:, pay : pay + PAGE] = torch.frombuffer(trailers, dtype=torch.uint8).view(n, PAGE).to(device)
         keys.append(key)
+    sync()
     return keys, time.perf_counter() - t0
 
 
-def restore_gpu(store, shape, ns: str, keys: list[str], dst, cufile) -> float:  # type: ignore[no-untyped-def]
-    """Every section of every object straight into GPU memory, at the store's placement.
-    `cufile` is kvikio.CuFile (or, for --cpu-dry-run, a POSIX stand-in with its call)."""
-    n, stride = shape.n_sections, shape.stride
-    nfrag = store.n_fragments(shape)
-    handles, futures = [], []
+def restore_device(store, shape, ns: str, keys: list[str], dst) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Every section of every object straight into device memory through the store's GDS
+    read path (store.submit_read_sections_device: what the engine's loads call), each
+    verified on the device. dst: one row of shape.stride bytes per section."""
+    n = shape.n_sections
     t0 = time.perf_counter()
+    waits, handles = [], []
     for i, key in enumerate(keys):
-        files = [cufile(store.fragment_path(ns, key, shape, f), "r") for f in range(nfrag)]
-        handles += files
-        for s in range(n):
-            frag, offset = store.placement(key, shape, s)
-            at = (i * n + s) * stride
-            futures.append((files[frag].pread(dst[at : at + stride], size=stride, file_offset=offset), i, s))
-    short = [(i, s, got) for fut, i, s in futures if (got := fut.get()) != stride]
+        h = store.open_object_device(ns, key, shape)
+        if h is None:
+            fail(1, f"object {key} vanished from {store.drives}")
+        handles.append(h)
+        rows = [dst[i * n + s] for s in range(n)]
+        waits.append(store.submit_read_sections_device(h, ns, key, shape, list(range(n)), rows))
+    bad = sum(not ok for w in waits for ok in w.result(timeout=300))
     sync()
     seconds = time.perf_counter() - t0
     for h in handles:
-        h.close()
-    if short:
-        fail(1, f"kvikio read short sections (object, section, bytes): {short[:5]}")
-    return seconds
+        for f in h:
+            f.close()
+    return seconds, bad
+
+
+def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, torch) -> dict:  # type: ignore[no-untyped-def]
+    """The connector's worker side as a GPU engine runs it, without vLLM: a paged KV cache
+    in vLLM's GPU layout ([2, blocks, block size, KV heads, head dim] per layer), chunks
+    saved layer by layer (copies on the save stream, writes queued), the cache wiped, the
+    chunks loaded into other blocks layer by layer; every byte compared."""
+    from kvlab_connector.config import ConnectorConfig
+    from kvlab_connector.layout import Layout
+    from kvlab_connector.scheduler import ChunkIO, StepMetadata
+    from kvlab_connector.store import Store
+    from kvlab_connector.worker import WorkerSide
+
+    layers, blocks, bs, heads, hd, chunk = 8, 64, 16, 8, 128, 256
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
+    block_bytes = 2 * bs * heads * hd * 2  # K and V, bf16
+    layout = Layout(names, bs, block_bytes, chunk, "gpu-check", device, "gpu-check", 1, False)
+    config = ConnectorConfig.from_extra(
+        {"paths": [str(d / f"engine-{io_engine}") for d in dirs], "ring_bytes": 64 << 20,
+         "chunk_tokens": chunk, "io_engine": io_engine}
+    )
+    worker = WorkerSide(config, layout, Store(config.paths, 4 << 30), rank=0)
+    gen = torch.Generator(device=device).manual_seed(7)
+    kv = {n: torch.randn(2, blocks, bs, heads, hd, generator=gen, device=device).to(torch.bfloat16) for n in names}
+    worker.register_kv_caches(kv, blocks)
+    if device_io is not None:  # --cpu-dry-run: the device path on CPU tensors
+        worker.use_device_io(device_io, torch.device(device))
+    per = chunk // bs
+    chunks = [ChunkIO(key_of(1000 + c), list(range(c * per, (c + 1) * per))) for c in range(blocks // per // 2)]
+    saved = {n: t.clone() for n, t in kv.items()}
+    t0 = time.perf_counter()
+    meta = StepMetadata(saves=chunks)
+    for n, t in kv.items():
+        worker.save_layer(n, t, meta)
+    worker.end_step()
+    deadline = time.monotonic() + 120
+    while worker.store.stats.objects_written < len(chunks) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    save_s = time.perf_counter() - t0
+    for t in kv.values():
+        t.zero_()
+    half = blocks // 2
+    targets = [ChunkIO(c.key, [b + half for b in c.block_ids]) for c in chunks]
+    t0 = time.perf_counter()
+    worker.start_load(StepMetadata(loads=targets))
+    for n in names:
+        worker.wait_for_layer(n)
+    errors = worker.take_load_errors()
+    sync()
+    load_s = time.perf_counter() - t0
+    same = all(torch.equal(kv[n][:, half:], saved[n][:, :half]) for n in names)
+    moved = len(chunks) * layers * per * block_bytes
+    return {
+        "io_engine": io_engine, "io_mode": worker.io_mode, "objects_written": worker.store.stats.objects_written,
+        "saves_dropped": worker.saves_dropped, "load_errors": len(errors), "byte_for_byte": same,
+        "bytes": moved, "save_gbps": round(moved / 1e9 / save_s, 3), "load_gbps": round(moved / 1e9 / load_s, 3),
+    }
 
 
 def restore_posix(store, shape, ns: str, keys: list[str]) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -137,26 +183,6 @@ def pinned_copy(src, torch, repeats: int = 3) -> tuple[float, object]:  # type: 
         sync()
         best = min(best, time.perf_counter() - t0)
     return best, out
-
-
-class PosixCuFile:
-    """--cpu-dry-run's stand-in for kvikio.CuFile: the same pread call into a CPU tensor."""
-
-    class _Done:
-        def __init__(self, n: int):
-            self.n = n
-
-        def get(self) -> int:
-            return self.n
-
-    def __init__(self, path: Path, flags: str = "r"):
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def pread(self, buf, size: int, file_offset: int = 0):  # type: ignore[no-untyped-def]
-        return self._Done(os.preadv(self.fd, [memoryview(buf.numpy())[:size]], file_offset))
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 def sync() -> None:
@@ -208,23 +234,18 @@ def main(argv: list[str] | None = None) -> int:
         if Path("/proc/modules").exists()
         else False,
     }
+    from kvlab_connector.io_gds import DeviceIO, PosixFile, probe_gds
     from kvlab_connector.store import ObjectShape, Store
 
     if dry:
-        report |= {
-            "cufile": {"probe": "skipped (--cpu-dry-run)"},
-            "kvikio": "none",
-            "io_mode": "posix (dry run)",
-        }
-        cufile_cls = PosixCuFile
+        report |= {"cufile": {"probe": "skipped (--cpu-dry-run)"}, "kvikio": "none"}
+        device_io = DeviceIO(PosixFile, "posix (dry run)")
     else:
-        from kvlab_connector.io_gds import probe_gds
-
         os.environ.setdefault("KVIKIO_NTHREADS", str(args.threads))
-        probe = probe_gds(60)  # the connector's own probe: a subprocess, so a cuFile hang costs a timeout
-        if probe.mode != "gds":
-            # No GDS here: say so, and keep kvikio from opening the cuFile driver at all.
-            os.environ["KVIKIO_COMPAT_MODE"] = "ON"
+        probe = probe_gds(60)  # a subprocess: a cuFile hang costs a timeout, not the check
+        if not probe.usable:
+            fail(2, f"kvikio cannot run here: {probe.reason}")
+        device_io = DeviceIO.kvikio(probe)  # compat mode switched on first where GDS is absent
         import kvikio
         import kvikio.defaults
 
@@ -232,9 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             "cufile": probe.detail | {"reason": probe.reason},
             "kvikio": kvikio.__version__,
             "compat_mode_setting": str(kvikio.defaults.get("compat_mode")),
-            "io_mode": probe.mode or "gds-compat",
         }
-        cufile_cls = kvikio.CuFile
+    report["io_mode"] = device_io.mode
 
     tmp = None
     dirs = args.dir
@@ -244,31 +264,40 @@ def main(argv: list[str] | None = None) -> int:
     report["store_dirs"] = [f"{d} ({fstype(d)})" for d in dirs]
     shape = ObjectShape(n_sections=args.sections, section_bytes=args.section_mib << 20)
     n_objects = max(1, int(args.size_gib * (1 << 30)) // shape.object_bytes)
-    total = n_objects * shape.object_bytes
+    n_rows = n_objects * shape.n_sections
+    total = n_rows * shape.section_bytes  # payload bytes
     ns = hashlib.blake2b(b"gpu-check", digest_size=16).hexdigest()
-    store = Store(dirs, capacity_bytes=2 * total + (1 << 30), io_threads=args.threads)
+    store = Store([d / "store" for d in dirs], capacity_bytes=2 * n_objects * shape.object_bytes + (1 << 30),
+                  io_threads=args.threads)
+    store.device_io = device_io
     report["store_io_mode"] = store.io_mode
     try:
-        expected = torch.empty(total, dtype=torch.uint8, device=device)
+        expected = torch.empty(n_rows, shape.section_bytes, dtype=torch.uint8, device=device)
         keys, write_s = write_objects(store, shape, ns, n_objects, expected, torch, seed=20261129)
         from kvlab_connector.osutil import drop_page_cache
 
         report["page_cache_dropped"] = drop_page_cache()
-        dst = torch.zeros(total, dtype=torch.uint8, device=device)
-        gpu_s = restore_gpu(store, shape, ns, keys, dst, cufile_cls)
-        same = bool(torch.equal(dst, expected))
+        dst = torch.zeros(n_rows, shape.stride, dtype=torch.uint8, device=device)
+        gpu_s, gpu_bad = restore_device(store, shape, ns, keys, dst)
+        same = bool(torch.equal(dst[:, : shape.section_bytes], expected))
         if not same:
-            report["first_differing_byte"] = int(torch.argmax((dst != expected).to(torch.uint8)))
+            diff = (dst[:, : shape.section_bytes] != expected).reshape(-1).to(torch.uint8)
+            report["first_differing_byte"] = int(torch.argmax(diff))
         drop_page_cache()
         posix_s, posix_bad = restore_posix(store, shape, ns, keys)
-        h2d_s, copied = pinned_copy(dst, torch)
-        same_copy = bool(torch.equal(copied, expected))
+        h2d_s, copied = pinned_copy(expected.reshape(-1), torch)
+        same_copy = bool(torch.equal(copied, expected.reshape(-1)))
+        engine = [
+            engine_round_trip(dirs, device, "auto", device_io if dry else None, torch),
+            engine_round_trip(dirs, device, "posix", None, torch),
+        ]
     finally:
         store.close()
         if tmp:
             tmp.cleanup()
 
     gb = total / 1e9
+    engine_ok = all(e["byte_for_byte"] and e["load_errors"] == 0 and e["saves_dropped"] == 0 for e in engine)
     report |= {
         "objects": n_objects,
         "bytes": total,
@@ -280,27 +309,37 @@ def main(argv: list[str] | None = None) -> int:
         "gpu_restore_vs_pinned_h2d": round(h2d_s / gpu_s, 4),
         "verified_bytes": total if same else 0,
         "byte_for_byte": same,
+        "gpu_sections_failed": gpu_bad,
         "posix_sections_failed": posix_bad,
         "pinned_copy_byte_for_byte": same_copy,
+        "engine": engine,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     print(
         f"gpu-check on {report['gpu']}: {n_objects} objects, {total / 2**30:.2f} GiB, kvikio {report['kvikio']} "
         f"in {report['io_mode']} mode (nvidia-fs {'loaded' if report['nvidia_fs_loaded'] else 'absent'}; "
         f"store {report['store_io_mode']} on {', '.join(report['store_dirs'])})\n"
-        f"  restore into {device} memory ({report['io_mode']}) {report['gpu_restore_gbps']} GB/s, "
+        f"  store: restore into {device} memory ({report['io_mode']}) {report['gpu_restore_gbps']} GB/s, "
         f"pinned host -> device {report['pinned_h2d_gbps']} GB/s "
-        f"(ratio {report['gpu_restore_vs_pinned_h2d']}), store POSIX read {report['posix_restore_gbps']} GB/s, "
-        f"write {report['write_gbps']} GB/s\n"
-        f"  byte for byte: {'yes' if same else 'NO'}; store checksums failed: {posix_bad}; "
-        f"page cache dropped: {report['page_cache_dropped']}; {report['seconds']} s"
+        f"(ratio {report['gpu_restore_vs_pinned_h2d']}), POSIX read {report['posix_restore_gbps']} GB/s, "
+        f"write from {device} memory {report['write_gbps']} GB/s\n"
+        f"  byte for byte: {'yes' if same else 'NO'}; sections failed: {gpu_bad} ({device}), {posix_bad} (POSIX); "
+        f"page cache dropped: {report['page_cache_dropped']}"
     )
+    for e in engine:
+        print(
+            f"  engine, io_engine {e['io_engine']} ({e['io_mode']}): save {e['save_gbps']} GB/s, "
+            f"load {e['load_gbps']} GB/s, byte for byte: {'yes' if e['byte_for_byte'] else 'NO'}, "
+            f"load errors {e['load_errors']}, saves dropped {e['saves_dropped']}"
+        )
+    print(f"  {report['seconds']} s")
     line = json.dumps(report, sort_keys=True)
     print(line)
     out = args.out or (Path(os.environ["OUT"]) / "gpu-check.json" if os.environ.get("OUT") else None)
     if out:
         out.write_text(line + "\n")
-    return 0 if same and same_copy and posix_bad == 0 else 1
+    ok = same and same_copy and gpu_bad == 0 and posix_bad == 0 and engine_ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""scripts/gpu-check.py checks itself without a GPU (--cpu-dry-run): the store writes real
-objects, a POSIX stand-in for kvikio reads them back at the store's placement, and the
-byte-for-byte, checksum and pinned-copy comparisons must all hold."""
+"""scripts/gpu-check.py checks itself without a GPU (--cpu-dry-run): the store's GDS save and
+read paths run on CPU tensors with a POSIX stand-in for kvikio (io_gds.PosixFile), the
+store's POSIX path reads the same objects, and the connector's worker saves and loads
+chunks through both its device path and its host ring; every comparison must hold."""
 
 from __future__ import annotations
 
@@ -46,9 +47,15 @@ def test_gpu_check_dry_run_restores_byte_for_byte(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["byte_for_byte"] is True and report["pinned_copy_byte_for_byte"] is True
-    assert report["posix_sections_failed"] == 0
-    assert report["verified_bytes"] == report["bytes"] == report["objects"] * report["object_bytes"] > 0
+    assert report["posix_sections_failed"] == 0 and report["gpu_sections_failed"] == 0
+    assert report["verified_bytes"] == report["bytes"] == report["objects"] * 8 * (1 << 20) > 0
     assert report["io_mode"] == "posix (dry run)"
+    engine = {e["io_engine"]: e for e in report["engine"]}
+    assert engine["auto"]["io_mode"] == "posix (dry run)", "the worker's device path ran"
+    assert engine["posix"]["io_mode"].startswith("posix-"), "the worker's host ring ran"
+    for e in engine.values():
+        assert e["byte_for_byte"] and e["load_errors"] == 0 and e["saves_dropped"] == 0
+        assert e["objects_written"] > 0
 
 
 def test_gpu_check_wheels_fit_in_64_mib() -> None:

@@ -5,14 +5,44 @@ falls back to its compat mode silently when nvidia-fs is absent. So the probe ru
 subprocess with a timeout, only after an NVIDIA GPU was found, and every result records
 which mode the bytes actually moved in: "gds" (nvidia-fs, DMA straight to the GPU),
 "gds-compat" (kvikio's POSIX bounce), or why neither is available.
+
+`DeviceIO` is what the store calls to move a section between a drive and GPU memory:
+kvikio's CuFile (pread/pwrite of a device tensor at a file offset). Where kvikio cannot
+run (no GPU: this project's CPU tests, `make gpu-check --cpu-dry-run`), `PosixFile` makes
+the same calls with POSIX I/O into CPU tensors, so the store's and the worker's GDS logic
+runs everywhere; only the DMA itself needs the lab.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
+from typing import Any
+
+_streams = threading.local()
+
+
+def side_stream(device: Any) -> contextlib.AbstractContextManager:
+    """The calling thread's own CUDA stream on `device` (a no-op context elsewhere).
+
+    I/O threads verify and copy sections on it: on the default stream that work would
+    queue behind (and hold up) the forward pass's kernels."""
+    if getattr(device, "type", device) != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    key = str(device)
+    streams = getattr(_streams, "by_device", None)
+    if streams is None:
+        streams = _streams.by_device = {}
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device=device)
+    return torch.cuda.stream(streams[key])
 
 _PROBE = r"""
 import json
@@ -72,3 +102,80 @@ def probe_gds(timeout_s: float = 20.0) -> GdsProbe:
     if detail.get("gds_available"):
         return GdsProbe("gds", "nvidia-fs loaded: GDS", detail)
     return GdsProbe("gds-compat", "kvikio in compat mode (no nvidia-fs): POSIX bounce buffers", detail)
+
+
+class DeviceIO:
+    """Section reads and writes between a drive and device memory, in one mode."""
+
+    def __init__(self, cufile: Any, mode: str):
+        self._cufile = cufile  # kvikio.CuFile, or PosixFile
+        self.mode = mode
+
+    @classmethod
+    def kvikio(cls, probe: GdsProbe) -> DeviceIO:
+        """kvikio in the mode the probe found. Without nvidia-fs, compat mode is switched on
+        before kvikio loads, so it never opens the cuFile driver (which can hang)."""
+        if probe.mode is None:
+            raise RuntimeError(f"no GDS engine: {probe.reason}")
+        if probe.mode != "gds":
+            os.environ["KVIKIO_COMPAT_MODE"] = "ON"
+        import kvikio
+
+        return cls(kvikio.CuFile, probe.mode)
+
+    def open(self, path: str | os.PathLike, flags: str) -> Any:
+        """flags: "r" to read, "r+" to write into a file that exists (the store's .tmp)."""
+        return self._cufile(str(path), flags)
+
+    def pread(self, handle: Any, t: Any, nbytes: int, offset: int) -> int:
+        """Fill t[:nbytes] from the file at offset; returns the bytes read (short: truncated)."""
+        return int(handle.pread(t, size=nbytes, file_offset=offset).get())
+
+    def pwrite(self, handle: Any, t: Any, nbytes: int, offset: int) -> int:
+        return int(handle.pwrite(t, size=nbytes, file_offset=offset).get())
+
+
+class PosixFile:
+    """kvikio.CuFile's calls (open by path and flags; pread/pwrite of a contiguous tensor
+    returning a future with .get()) done with POSIX I/O on CPU tensors: the stand-in where
+    no GPU is present."""
+
+    class _Done:
+        def __init__(self, n: int):
+            self.n = n
+
+        def get(self) -> int:
+            return self.n
+
+    _FLAGS = {"r": os.O_RDONLY, "r+": os.O_RDWR}
+
+    def __init__(self, path: str, flags: str = "r"):
+        if flags not in self._FLAGS:
+            raise ValueError(f"PosixFile flags must be one of {sorted(self._FLAGS)}, got {flags!r}")
+        self.fd = os.open(path, self._FLAGS[flags] | os.O_CLOEXEC)
+
+    @staticmethod
+    def _view(t: Any, size: int) -> memoryview:
+        import torch
+
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("PosixFile moves contiguous CPU tensors only")
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())[:size]
+
+    def pread(self, t: Any, size: int, file_offset: int = 0) -> PosixFile._Done:
+        view, done = self._view(t, size), 0
+        while done < size:
+            got = os.preadv(self.fd, [view[done:]], file_offset + done)
+            if got == 0:
+                break
+            done += got
+        return self._Done(done)
+
+    def pwrite(self, t: Any, size: int, file_offset: int = 0) -> PosixFile._Done:
+        view, done = self._view(t, size), 0
+        while done < size:
+            done += os.pwritev(self.fd, [view[done:]], file_offset + done)
+        return self._Done(done)
+
+    def close(self) -> None:
+        os.close(self.fd)

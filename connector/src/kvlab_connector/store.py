@@ -10,8 +10,10 @@ that land on one drive form that object's fragment file there:
 without a stat per file).
 
 Each section is stored as its payload (padded to a page) followed by a one-page trailer
-that carries the namespace, key, section index, length and an xxh3 checksum of the
-payload. Fragment files are written under temporary names and renamed into place once
+that carries the namespace, key, section index, length and a checksum of the payload:
+xxh3 for sections written from host memory, wsum64 (checksum.py) for sections a GPU wrote
+straight from device memory; the trailer's magic says which, and either path reads either.
+Fragment files are written under temporary names and renamed into place once
 every section of the object is on the drives; an object exists only when all of its
 fragment files do. A reader verifies every section it reads: anything missing,
 truncated, or failing its checksum is a miss, never KV.
@@ -34,16 +36,21 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
 from kvlab_connector import metrics
+from kvlab_connector.checksum import wsum64, wsum64_tensor
+from kvlab_connector.io_gds import side_stream
 from kvlab_connector.io_posix import PosixEngine, pwritev_full, supports_o_direct
 from kvlab_connector.osutil import pid_alive
 from kvlab_connector.ring import PAGE, align_up
 
 ROOT_NAME = "kvlab-v1"
-MAGIC = b"KVLBSEC1"
+# The magic names the payload's checksum.
+MAGIC_XXH3 = b"KVLBSEC1"
+MAGIC_WSUM = b"KVLBSECW"
 # magic, namespace, key, section, n_sections, payload_len, num_tokens, tag, payload xxh3
 _TRAILER = struct.Struct("<8s16s16sIIQIQQ")
 _TRAILER_CHECK = struct.Struct("<Q")
@@ -53,7 +60,8 @@ LOW_WATER = 0.9  # eviction frees down to this share of the capacity
 # One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).
 MAX_WRITE_BYTES = 8 << 20
 MAX_WRITE_BUFFERS = 256
-_QueuedWrite = tuple[int, memoryview, Callable[[bool], None]]  # (offset, bytes, on_done)
+# (offset, bytes: a host memoryview or a device tensor, on_done)
+_QueuedWrite = tuple[int, "memoryview | Any", Callable[[bool], None]]
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,9 @@ class Store:
         self._lock_path = self._meta / "lock"
         self._usage_path = self._meta / "usage"
         self._pending_bytes = 0
+        # GPU engines with GDS: sections move between drives and device memory through
+        # this (io_gds.DeviceIO); None: host memory only.
+        self.device_io: Any = None
 
     @property
     def io_mode(self) -> str:
@@ -264,15 +275,7 @@ class Store:
                 ]
             except Exception:  # an I/O error, or anything else: those sections are misses
                 oks = [False] * len(sections)
-            n_ok = sum(oks)
-            with self._lock:
-                dt = time.perf_counter() - t0
-                self.stats.note_latency(dt)
-                self.stats.bytes_read += n_ok * shape.stride
-                if n_ok == len(oks):
-                    self.stats.read_s += dt
-                self.stats.sections_failed += len(oks) - n_ok
-            metrics.observe_io(dt, read_bytes=n_ok * shape.stride)
+            self._note_read(t0, oks, shape)
             out.set_result(oks)
 
         inner.add_done_callback(done)
@@ -280,30 +283,97 @@ class Store:
 
     def _verify(self, buf: memoryview, ns: str, key: str, shape: ObjectShape, section: int, tag: int) -> bool:
         pay = align_up(shape.section_bytes)
-        trailer = bytes(buf[pay:pay + _TRAILER.size + _TRAILER_CHECK.size])
+        checked = _check_trailer(bytes(buf[pay:pay + TRAILER_BYTES]), ns, key, shape, section, tag)
+        if checked is None:
+            return False
+        magic, expected = checked
+        payload = buf[:shape.section_bytes]
+        actual = xxhash.xxh3_64_intdigest(payload) if magic == MAGIC_XXH3 else wsum64(payload)
+        return self._checksum_matches(actual, expected)
+
+    def _checksum_matches(self, actual: int, expected: int) -> bool:
+        if actual == expected:
+            return True
+        with self._lock:
+            self.stats.checksum_failures += 1
+        metrics.inc("checksum_failures")
+        return False
+
+    # ---- device memory (GDS) ----------------------------------------------------------
+    def open_object_device(self, ns: str, key: str, shape: ObjectShape) -> list[Any] | None:
+        """device_io handles of the object's fragments, or None if any is missing."""
+        handles: list[Any] = []
         try:
-            fields = _TRAILER.unpack_from(trailer)
-            (check,) = _TRAILER_CHECK.unpack_from(trailer, _TRAILER.size)
-        except struct.error:
-            return False
-        magic, t_ns, t_key, t_sec, t_n, t_len, _tokens, t_tag, t_sum = fields
-        if (
-            magic != MAGIC
-            or check != xxhash.xxh3_64_intdigest(trailer[:_TRAILER.size])
-            or t_ns != bytes.fromhex(ns)
-            or t_key != bytes.fromhex(key)
-            or t_sec != section
-            or t_n != shape.n_sections
-            or t_len != shape.section_bytes
-            or t_tag != tag
-        ):
-            return False
-        if xxhash.xxh3_64_intdigest(buf[:shape.section_bytes]) != t_sum:
+            for f in range(self.n_fragments(shape)):
+                handles.append(self.device_io.open(self.fragment_path(ns, key, shape, f), "r"))
+        except Exception:  # kvikio reports a missing file as a RuntimeError
+            for h in handles:
+                h.close()
             with self._lock:
-                self.stats.checksum_failures += 1
-            metrics.inc("checksum_failures")
+                self.stats.missing += 1
+            return None
+        return handles
+
+    def submit_read_sections_device(
+        self, handles: Sequence[Any], ns: str, key: str, shape: ObjectShape, sections: Sequence[int],
+        slots: Sequence[Any], tag: int = 0,
+    ) -> Future[list[bool]]:
+        """Read sections straight into device memory (each slot a uint8 tensor of
+        shape.stride bytes), one request each, verified on the device; the Future says,
+        per section, whether it verified."""
+        out: Future[list[bool]] = Future()
+        oks: list[bool | None] = [None] * len(sections)
+        left = [len(sections)]
+        t0 = time.perf_counter()
+
+        def one(i: int) -> None:
+            s = sections[i]
+            frag, offset = self.placement(key, shape, s)
+            try:
+                got = self.device_io.pread(handles[frag], slots[i], shape.stride, offset)
+                with side_stream(slots[i].device):
+                    ok = got == shape.stride and self._verify_device(slots[i], ns, key, shape, s, tag)
+            except Exception:  # an I/O error, or anything else: a miss
+                ok = False
+            with self._lock:
+                oks[i] = ok
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._note_read(t0, [bool(x) for x in oks], shape)
+                out.set_result([bool(x) for x in oks])
+
+        for i in range(len(sections)):
+            self.engine.submit(one, i)
+        return out
+
+    def _verify_device(self, slot: Any, ns: str, key: str, shape: ObjectShape, section: int, tag: int) -> bool:
+        """The trailer (one small copy to the host) and the payload's checksum, computed
+        where the payload is: wsum64 on the device; xxh3 (a section written from host
+        memory) needs the payload on the host, once."""
+        pay = align_up(shape.section_bytes)
+        trailer = slot[pay:pay + TRAILER_BYTES].cpu().numpy().tobytes()
+        checked = _check_trailer(trailer, ns, key, shape, section, tag)
+        if checked is None:
             return False
-        return True
+        magic, expected = checked
+        payload = slot[:shape.section_bytes]
+        if magic == MAGIC_WSUM:
+            actual = wsum64_tensor(payload)
+        else:
+            actual = xxhash.xxh3_64_intdigest(payload.cpu().numpy())
+        return self._checksum_matches(actual, expected)
+
+    def _note_read(self, t0: float, oks: list[bool], shape: ObjectShape) -> None:
+        n_ok = sum(oks)
+        with self._lock:
+            dt = time.perf_counter() - t0
+            self.stats.note_latency(dt)
+            self.stats.bytes_read += n_ok * shape.stride
+            if n_ok == len(oks):
+                self.stats.read_s += dt
+            self.stats.sections_failed += len(oks) - n_ok
+        metrics.observe_io(dt, read_bytes=n_ok * shape.stride)
 
     # ---- capacity -------------------------------------------------------------------
     def _with_lock(self, fn: Callable[[], object]) -> object:
@@ -476,6 +546,44 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+TRAILER_BYTES = _TRAILER.size + _TRAILER_CHECK.size
+
+
+def pack_trailer(
+    ns: str, key: str, shape: ObjectShape, section: int, num_tokens: int, tag: int, magic: bytes, checksum: int
+) -> bytes:
+    head = _TRAILER.pack(
+        magic, bytes.fromhex(ns), bytes.fromhex(key), section, shape.n_sections,
+        shape.section_bytes, num_tokens, tag, checksum,
+    )
+    return head + _TRAILER_CHECK.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def _check_trailer(
+    trailer: bytes, ns: str, key: str, shape: ObjectShape, section: int, tag: int
+) -> tuple[bytes, int] | None:
+    """(magic, payload checksum) of a trailer that is intact and names this very section
+    of this object in this layout; None otherwise."""
+    try:
+        fields = _TRAILER.unpack_from(trailer)
+        (check,) = _TRAILER_CHECK.unpack_from(trailer, _TRAILER.size)
+    except struct.error:
+        return None
+    magic, t_ns, t_key, t_sec, t_n, t_len, _tokens, t_tag, t_sum = fields
+    if (
+        magic not in (MAGIC_XXH3, MAGIC_WSUM)
+        or check != xxhash.xxh3_64_intdigest(trailer[:_TRAILER.size])
+        or t_ns != bytes.fromhex(ns)
+        or t_key != bytes.fromhex(key)
+        or t_sec != section
+        or t_n != shape.n_sections
+        or t_len != shape.section_bytes
+        or t_tag != tag
+    ):
+        return None
+    return magic, t_sum
+
+
 class ObjectWriter:
     """Writes one object's sections as they come; commits when all are on the drives.
 
@@ -490,6 +598,7 @@ class ObjectWriter:
         self.final = [store.fragment_path(ns, key, shape, f) for f in range(self.nfrag)]
         self.tmp = [p.with_name(f".{p.name}.{suffix}") for p in self.final]
         self._fds: list[int] = []
+        self._device_files: list[Any] = [None] * self.nfrag  # opened at the first device write
         self._pending = shape.n_sections
         self._queued: list[list[_QueuedWrite]] = [[] for _ in range(self.nfrag)]
         self._draining = [False] * self.nfrag
@@ -516,13 +625,8 @@ class ObjectWriter:
         shape = self.shape
         pay = align_up(shape.section_bytes)
         checksum = xxhash.xxh3_64_intdigest(buf[:shape.section_bytes])
-        head = _TRAILER.pack(
-            MAGIC, bytes.fromhex(self.ns), bytes.fromhex(self.key), section, shape.n_sections,
-            shape.section_bytes, self.num_tokens, self.tag, checksum,
-        )
-        buf[pay:pay + _TRAILER.size] = head
-        buf[pay + _TRAILER.size:pay + _TRAILER.size + _TRAILER_CHECK.size] = _TRAILER_CHECK.pack(
-            xxhash.xxh3_64_intdigest(head)
+        buf[pay:pay + TRAILER_BYTES] = pack_trailer(
+            self.ns, self.key, shape, section, self.num_tokens, self.tag, MAGIC_XXH3, checksum
         )
 
     def submit_section(self, section: int, buf: memoryview, on_done: Callable[[bool], None]) -> None:
@@ -533,9 +637,32 @@ class ObjectWriter:
             self._section_done(False)
             return
         self.fill_trailer(section, buf)
+        self._queue(section, buf[:self.shape.stride], on_done)
+
+    def submit_device_section(self, section: int, slot: Any, on_done: Callable[[bool], None]) -> None:
+        """The same for a section in device memory (a uint8 tensor of shape.stride bytes,
+        its payload ready): checksummed on the device, written by the store's device_io."""
+        if self._failed:
+            on_done(False)
+            self._section_done(False)
+            return
+        shape = self.shape
+        pay = align_up(shape.section_bytes)
+        with side_stream(slot.device):
+            checksum = wsum64_tensor(slot[:shape.section_bytes])
+        trailer = pack_trailer(self.ns, self.key, shape, section, self.num_tokens, self.tag, MAGIC_WSUM, checksum)
+        import torch
+
+        with side_stream(slot.device):
+            slot[pay:pay + TRAILER_BYTES].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+            if slot.is_cuda:
+                torch.cuda.current_stream().synchronize()  # kvikio writes from its own stream
+        self._queue(section, slot[:shape.stride], on_done)
+
+    def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None]) -> None:
         frag, offset = self.store.placement(self.key, self.shape, section)
         with self._lock:
-            self._queued[frag].append((offset, buf[:self.shape.stride], on_done))
+            self._queued[frag].append((offset, buf, on_done))
             start = not self._draining[frag]
             self._draining[frag] = True
         if start:
@@ -560,13 +687,19 @@ class ObjectWriter:
 
     def _write_run(self, frag: int, run: list[_QueuedWrite]) -> None:
         store = self.store
-        nbytes = sum(len(buf) for _, buf, _ in run)
+        nbytes = sum(_nbytes(buf) for _, buf, _ in run)
         ok = False
         t0 = time.perf_counter()
         if not self._failed:
             try:
-                ok = pwritev_full(self._fds[frag], [buf for _, buf, _ in run], run[0][0]) == nbytes
-            except OSError:
+                if isinstance(run[0][1], memoryview):
+                    ok = pwritev_full(self._fds[frag], [buf for _, buf, _ in run], run[0][0]) == nbytes
+                else:  # device memory: one section per run
+                    (offset, slot, _), = run
+                    if self._device_files[frag] is None:
+                        self._device_files[frag] = store.device_io.open(self.tmp[frag], "r+")
+                    ok = store.device_io.pwrite(self._device_files[frag], slot, nbytes, offset) == nbytes
+            except Exception:  # an I/O error (or a device error): the object is not written
                 ok = False
             dt = time.perf_counter() - t0
             with store._lock:
@@ -605,6 +738,12 @@ class ObjectWriter:
         if self._closed:
             return
         self._closed = True
+        for h in self._device_files:
+            if h is not None:
+                try:
+                    h.close()
+                except Exception:
+                    pass
         for fd in self._fds:
             try:
                 os.close(fd)
@@ -642,16 +781,23 @@ class ObjectWriter:
         self.done.set_result(True)
 
 
+def _nbytes(buf: Any) -> int:
+    return len(buf) if isinstance(buf, memoryview) else int(buf.numel())
+
+
 def _contiguous_runs(items: list[_QueuedWrite]) -> Iterator[list[_QueuedWrite]]:
-    """Split offset-sorted writes into runs that are adjacent on the drive and fit one request."""
+    """Split offset-sorted writes into runs that are adjacent on the drive and fit one
+    request. Host buffers merge into one vectored write; a device section goes alone
+    (kvikio splits a request over its own threads)."""
     run = [items[0]]
-    size = len(items[0][1])
+    size = _nbytes(items[0][1])
     for it in items[1:]:
-        adjacent = run[-1][0] + len(run[-1][1]) == it[0]
-        if adjacent and size + len(it[1]) <= MAX_WRITE_BYTES and len(run) < MAX_WRITE_BUFFERS:
+        adjacent = run[-1][0] + _nbytes(run[-1][1]) == it[0]
+        host = isinstance(it[1], memoryview) and isinstance(run[-1][1], memoryview)
+        if host and adjacent and size + len(it[1]) <= MAX_WRITE_BYTES and len(run) < MAX_WRITE_BUFFERS:
             run.append(it)
             size += len(it[1])
         else:
             yield run
-            run, size = [it], len(it[1])
+            run, size = [it], _nbytes(it[1])
     yield run

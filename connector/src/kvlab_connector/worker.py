@@ -9,6 +9,16 @@ deadline turns its chunk's blocks into load errors: vLLM recomputes them.
 Saves: `save_kv_layer` copies the layer's blocks of each complete chunk into a ring slot
 and queues the write; it never waits for a drive. No free slot: the chunk is dropped
 and counted.
+
+Where the slots live:
+- CPU engines: the host ring; copies are memmoves (or index_copy_ for other layouts).
+- GPU engines with GDS (kvikio; compat mode where nvidia-fs is absent): a ring in device
+  memory. Drives and GPU exchange sections directly, checksummed on the device (wsum64).
+- GPU engines without kvikio (or io_engine "posix"): the host ring, page-locked.
+On a GPU every copy runs on a side stream, so the forward pass never waits for a save: a
+save's copy starts after the layer's KV is written and the forward stream waits for it only
+at the end of the step, before vLLM may reuse those blocks. A load's copy is synchronized
+before its layer is declared ready.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ import torch
 
 from kvlab_connector import metrics
 from kvlab_connector.config import ConnectorConfig
+from kvlab_connector.io_gds import DeviceIO, side_stream
 from kvlab_connector.io_posix import spread_over_process_cpus
 from kvlab_connector.layout import Layout
-from kvlab_connector.ring import RingFull, StagingRing
+from kvlab_connector.ring import DeviceRing, RingFull, StagingRing
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
 from kvlab_connector.store import ObjectWriter, Store
 
@@ -115,7 +126,8 @@ class WorkerSide:
         # MLA: every rank holds the same KV; rank 0 alone writes the one copy.
         self.saves_enabled = not (layout.mla and rank != 0)
         self.shape = layout.shape
-        self.ring: StagingRing | None = None
+        self.ring: StagingRing | DeviceRing | None = None
+        self.device_io: DeviceIO | None = None  # GDS: sections move drive <-> device memory
         self.io_mode = store.io_mode
         self.kv: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
@@ -127,6 +139,9 @@ class WorkerSide:
         self._load_deadline = 0.0
         self._load_errors: set[int] = set()
         self._writers: dict[str, tuple[ObjectWriter, int]] = {}
+        self._cuda = False
+        self._save_stream: Any = None
+        self._save_events: list[Any] = []  # this step's save copies, for end_step
         self.saves_dropped = 0
         self.load_error_blocks = 0
 
@@ -170,7 +185,14 @@ class WorkerSide:
         )
         self.io_mode = self.store.io_mode
         if first.device.type == "cuda":
-            self._choose_gpu_io()
+            self._cuda = True
+            self._save_stream = torch.cuda.Stream(device=first.device)
+            self._choose_gpu_io(first.device)
+        elif self.config.io_engine == "gds":
+            raise RuntimeError(
+                f"kvlab connector: io_engine 'gds' moves KV between drives and GPU memory, but this "
+                f"engine's KV cache is on {first.device.type}: set io_engine 'auto' or 'posix'"
+            )
         log.info(
             "kvlab connector: %d layers, %d B sections, %d ring slots (%d MiB), io %s, drives %s",
             len(self.kv), self.shape.section_bytes, self.ring.num_slots, self.ring.ring_bytes >> 20,
@@ -180,24 +202,45 @@ class WorkerSide:
         if m is not None:
             m["io_mode"].labels(mode=self.io_mode).set(1)
 
-    def _choose_gpu_io(self) -> None:
-        """GPU engines: sections travel drive → ring → device; say what GDS could do here."""
+    def _choose_gpu_io(self, device: torch.device) -> None:
+        """GPU engines: GDS through kvikio where it loads (io_engine auto or gds), else the
+        page-locked host ring (io_engine posix, or auto without kvikio)."""
         from kvlab_connector.io_gds import probe_gds
 
-        gds = probe_gds()
-        log.info("kvlab connector: GDS probe: %s", gds.reason)
-        if self.config.io_engine == "gds":
-            raise RuntimeError(
-                "kvlab connector: io_engine 'gds' asks for reads straight into GPU memory, which this "
-                f"version does not do in the engine (GDS probe: {gds.reason}); use io_engine 'auto' "
-                "(drive → staging ring → GPU) and `make gpu-check` for the kvikio path"
-            )
+        if self.config.io_engine != "posix":
+            gds = probe_gds()
+            log.info("kvlab connector: GDS probe: %s", gds.reason)
+            if gds.usable:
+                self.use_device_io(DeviceIO.kvikio(gds), device)
+                return
+            if self.config.io_engine == "gds":
+                raise RuntimeError(
+                    f"kvlab connector: io_engine 'gds' but kvikio cannot run here ({gds.reason}); "
+                    "install kvlab-connector[gds-cu12] (or [gds-cu13]) into vLLM's environment, "
+                    "or set io_engine 'auto' to use the host staging ring"
+                )
+        assert isinstance(self.ring, StagingRing)
+        self.ring.pin()
         self.io_mode = f"{self.store.io_mode}+h2d"
 
+    def use_device_io(self, device_io: DeviceIO, device: torch.device) -> None:
+        """Stage sections in device memory and move them with device_io (GDS). GPU engines
+        come here from the probe; CPU tests come here with io_gds.PosixFile."""
+        if self.ring is not None:
+            self.ring.close()
+        self.ring = DeviceRing(self.config.ring_bytes, self.shape.stride, device)
+        self.device_io = device_io
+        self.store.device_io = device_io
+        self._direct_copy = False
+        self.io_mode = device_io.mode
+
     def _slot_tensor(self, slot: int) -> torch.Tensor:
+        """A slot's payload as blocks of the paged cache's shape and dtype."""
         assert self.ring is not None
-        buf = self.ring.buffer(slot, self.shape.section_bytes)
-        t = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
+        if isinstance(self.ring, DeviceRing):
+            t = self.ring.tensor(slot, self.shape.section_bytes).view(self.dtype)
+        else:
+            t = torch.frombuffer(self.ring.buffer(slot, self.shape.section_bytes), dtype=torch.uint8).view(self.dtype)
         return t.view(self.layout.blocks_per_chunk, *self.block_shape)
 
     # ---- load -----------------------------------------------------------------------
@@ -213,9 +256,13 @@ class WorkerSide:
     def _feed(self, load: _Load) -> None:
         assert self.ring is not None
         spread_over_process_cpus()
-        fds: dict[int, list[int] | None] = {}
+        device = isinstance(self.ring, DeviceRing)
+        fds: dict[int, list[Any] | None] = {}
         for c, chunk in enumerate(load.chunks):
-            fds[c] = self.store.open_object(self.ns, chunk.key, self.shape)
+            if device:
+                fds[c] = self.store.open_object_device(self.ns, chunk.key, self.shape)
+            else:
+                fds[c] = self.store.open_object(self.ns, chunk.key, self.shape)
             if fds[c] is None:
                 for layer in range(len(self.kv)):
                     load.done_one(layer, c, False)
@@ -249,9 +296,15 @@ class WorkerSide:
                         continue
                     with pending_lock:
                         pending[0] += len(run)
-                    fut = self.store.submit_read_sections(
-                        fds[c], self.ns, chunk.key, self.shape, run, [self.ring.buffer(s) for s in slots], self.tag
-                    )
+                    if isinstance(self.ring, DeviceRing):
+                        fut = self.store.submit_read_sections_device(
+                            fds[c], self.ns, chunk.key, self.shape, run, [self.ring.tensor(s) for s in slots], self.tag
+                        )
+                    else:
+                        fut = self.store.submit_read_sections(
+                            fds[c], self.ns, chunk.key, self.shape, run, [self.ring.buffer(s) for s in slots],
+                            self.tag,
+                        )
                     fut.add_done_callback(
                         lambda f, run=run, c=c, slots=slots: [
                             self._landed(load, layer, c, slot, ok, pending, pending_lock)
@@ -265,7 +318,10 @@ class WorkerSide:
         for c, f in fds.items():
             if f is not None:
                 for fd in f:
-                    os.close(fd)
+                    if device:
+                        fd.close()
+                    else:
+                        os.close(fd)
                 if c not in load.failed_chunks:
                     self.store.touch(self.ns, load.chunks[c].key, self.shape)
 
@@ -274,6 +330,8 @@ class WorkerSide:
         READ_REQUEST_BYTES (one 1 MiB request per section reached ~0.6-0.8 of what 2 MiB
         requests did here), never more than the ring can lend at once."""
         assert self.ring is not None
+        if isinstance(self.ring, DeviceRing):
+            return 1  # device slots are not adjacent; kvikio splits each request itself
         per = -(-READ_REQUEST_BYTES // self.shape.section_bytes)
         return max(1, min(per, len(self.kv), self.ring.num_slots // 2))
 
@@ -321,16 +379,22 @@ class WorkerSide:
             return
         sel = [j for j, b in enumerate(block_ids) if b >= 0]
         ids = [block_ids[j] for j in sel]
-        src_t = self._slot_tensor(slot)
-        if len(sel) != len(block_ids):
-            src_t = src_t[sel]
-        if dst.device != src_t.device:
-            src_t = src_t.to(dst.device)  # GPU engines: host ring → device
-        # One copy, slot → paged cache, whatever the block dimension.
-        dst.index_copy_(
-            self.blocks_dim, torch.tensor(ids, dtype=torch.long, device=dst.device),
-            src_t.movedim(0, self.blocks_dim) if self.blocks_dim else src_t,
-        )
+        if any(b >= self._num_blocks for b in ids):
+            raise IndexError(f"block {max(ids)} outside the KV cache ({self._num_blocks} blocks)")
+        with side_stream(dst.device):
+            src_t = self._slot_tensor(slot)
+            if len(sel) != len(block_ids):
+                src_t = src_t[sel]
+            if dst.device != src_t.device:
+                src_t = src_t.to(dst.device, non_blocking=True)  # GPU: page-locked host ring → device
+            # One copy, slot → paged cache, whatever the block dimension.
+            dst.index_copy_(
+                self.blocks_dim, torch.tensor(ids, dtype=torch.long).to(dst.device, non_blocking=True),
+                src_t.movedim(0, self.blocks_dim) if self.blocks_dim else src_t,
+            )
+            if self._cuda:
+                # The slot is reused once this returns, and the layer is declared ready.
+                torch.cuda.current_stream().synchronize()
 
     def wait_for_layer(self, layer_name: str) -> None:
         load = self._load
@@ -405,18 +469,65 @@ class WorkerSide:
                 self.saves_dropped += 1
                 metrics.inc("saves_dropped")
                 continue
-            dst = self._slot_tensor(slot)
-            ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=kv_layer.device)
+            self._save_section(writer, layer, kv_layer, chunk.block_ids, slot)
+            self._writers[chunk.key] = (writer, submitted + 1)
+
+    def _save_section(self, writer: ObjectWriter, layer: int, kv_layer: torch.Tensor, block_ids: list[int],
+                      slot: int) -> None:
+        """Copy a chunk's blocks of one layer into a slot and hand the slot to the writer.
+        On a GPU the copy runs on the save stream and the write is queued once it is done."""
+        assert self.ring is not None
+        device_slot = isinstance(self.ring, DeviceRing)
+
+        def release(ok: bool, slot: int = slot) -> None:
+            self.ring.release(slot)  # type: ignore[union-attr]
+
+        def submit() -> None:
+            if device_slot:
+                writer.submit_device_section(layer, self.ring.tensor(slot), release)  # type: ignore[union-attr]
+            else:
+                writer.submit_section(layer, self.ring.buffer(slot), release)  # type: ignore[union-attr]
+
+        dst = self._slot_tensor(slot)
+        if not self._cuda:
+            ids = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
             if kv_layer.device == dst.device and self.blocks_dim == 0:
                 torch.index_select(kv_layer, 0, ids, out=dst)  # one copy, paged cache → slot
             else:
                 dst.copy_(kv_layer.index_select(self.blocks_dim, ids).movedim(self.blocks_dim, 0))
-            writer.submit_section(layer, self.ring.buffer(slot), lambda ok, slot=slot: self.ring.release(slot))
-            self._writers[chunk.key] = (writer, submitted + 1)
+            submit()
+            return
+        forward = torch.cuda.current_stream()
+        with torch.cuda.stream(self._save_stream):
+            self._save_stream.wait_stream(forward)  # the layer's KV is written
+            ids = torch.tensor(block_ids, dtype=torch.long).to(kv_layer.device, non_blocking=True)
+            dst.copy_(kv_layer.index_select(self.blocks_dim, ids).movedim(self.blocks_dim, 0), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        self._save_events.append(copied)
+
+        def submit_when_copied() -> None:
+            try:
+                copied.synchronize()
+            except Exception:
+                log.exception("kvlab connector: a save's copy failed")
+                writer.abort(1)
+                release(False)
+                return
+            submit()
+
+        self.store.engine.submit(submit_when_copied)
 
     def end_step(self) -> None:
         """After the forward: saves are queued (not waited for); loads accounted for."""
         self._finish_load()
+        if self._save_events:
+            # vLLM may reuse the saved blocks from the next step on: the forward stream
+            # waits (on the GPU, not the host) for this step's save copies.
+            forward = torch.cuda.current_stream()
+            for ev in self._save_events:
+                forward.wait_event(ev)
+            self._save_events.clear()
         for writer, submitted in self._writers.values():
             if 0 <= submitted < len(self.kv):
                 writer.abort(len(self.kv) - submitted)  # a layer never came: not an object
