@@ -347,3 +347,12 @@ def test_several_writer_and_reader_processes_share_one_store(tmp_path: Path) -> 
     assert wrong == [0, 0], "a reader got bytes that are not the object's"
     store = Store(drives, capacity_bytes=6 * SHAPE.object_bytes)
     assert store.rebuild().bytes <= 6 * SHAPE.object_bytes
+
+
+def test_store_bench_verifies_what_it_reads_back(tmp_path: Path) -> None:
+    from kvlab_connector.bench import run_store
+
+    paths = [tmp_path / "a", tmp_path / "b"]
+    run = run_store(paths, size_mib=32, section_mib=1, sections=8, ring_mib=8, threads=2, verify=True)
+    assert run.verified is True and run.objects == 4 and run.bytes == 32 << 20
+    assert run.read_gbps > 0 and run.write_gbps > 0 and run.paths == [str(p) for p in paths]

@@ -69,22 +69,26 @@ def run_store(
             raise RuntimeError("a write failed: see the store's stats")
         total = n_objects * sections * shape.section_bytes
 
+        # Reads go as the connector's loads do: adjacent sections of a fragment file in
+        # one request (Store.sections_per_read).
+        per_run = store.sections_per_read(shape, min(sections, ring.num_slots // 2))
         t0 = time.perf_counter()
         bad = 0
         futures = []
         opened = []
         for i in range(n_objects):
-            fds = store.open_object(NS, _key(i, salt), shape)
+            key = _key(i, salt)
+            fds = store.open_object(NS, key, shape)
             if fds is None:
                 raise RuntimeError(f"object {i} vanished")
             opened.append(fds)
-            for s in range(sections):
-                slot = ring.acquire(timeout_s=None)
-                fut = store.submit_read_section(fds, NS, _key(i, salt), shape, s, ring.buffer(slot))
-                futures.append((i, s, slot, fut))
+            for run in store.read_runs(key, shape, range(sections), per_run):
                 # Verify and release the oldest reads while the ring keeps I/Os in flight.
-                while len(futures) >= ring.num_slots - 1:
+                while ring.num_slots - ring.in_use < len(run) + 1:
                     bad += _retire(futures.pop(0), ring, shape, verify)
+                slots = [ring.acquire(timeout_s=None) for _ in run]
+                fut = store.submit_read_sections(fds, NS, key, shape, run, [ring.buffer(s) for s in slots])
+                futures.append((i, run, slots, fut))
         while futures:
             bad += _retire(futures.pop(0), ring, shape, verify)
         read_s = time.perf_counter() - t0
@@ -101,15 +105,19 @@ def run_store(
 
 
 def _retire(item, ring: StagingRing, shape: ObjectShape, verify: bool) -> int:  # type: ignore[no-untyped-def]
-    i, s, slot, fut = item
+    """Wait for one read request; the number of its sections that failed."""
+    i, run, slots, fut = item
+    bad = 0
     try:
-        ok = fut.result()
-        if ok and verify:
-            got = np.frombuffer(ring.buffer(slot, shape.section_bytes), dtype=np.uint8)
-            ok = bool(np.array_equal(got, _pattern(i, s, shape.section_bytes)))
-        return 0 if ok else 1
+        for s, slot, ok in zip(run, slots, fut.result(), strict=True):
+            if ok and verify:
+                got = np.frombuffer(ring.buffer(slot, shape.section_bytes), dtype=np.uint8)
+                ok = bool(np.array_equal(got, _pattern(i, s, shape.section_bytes)))
+            bad += not ok
+        return bad
     finally:
-        ring.release(slot)
+        for slot in slots:
+            ring.release(slot)
 
 
 def clear(paths: list[Path]) -> None:

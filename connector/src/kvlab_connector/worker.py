@@ -44,8 +44,6 @@ from kvlab_connector.store import ObjectWriter, Store
 
 log = logging.getLogger("vllm.kvlab_connector")
 
-# The size a load request aims at on one drive (see WorkerSide._sections_per_read).
-READ_REQUEST_BYTES = 2 << 20
 
 
 class _Load:
@@ -326,14 +324,12 @@ class WorkerSide:
                     self.store.touch(self.ns, load.chunks[c].key, self.shape)
 
     def _sections_per_read(self) -> int:
-        """Adjacent sections of one fragment file read by one request: enough for about
-        READ_REQUEST_BYTES (one 1 MiB request per section reached ~0.6-0.8 of what 2 MiB
-        requests did here), never more than the ring can lend at once."""
+        """Adjacent sections of one fragment file read by one request (store.READ_REQUEST_BYTES),
+        never more than the ring can lend at once."""
         assert self.ring is not None
         if isinstance(self.ring, DeviceRing):
             return 1  # device slots are not adjacent; kvikio splits each request itself
-        per = -(-READ_REQUEST_BYTES // self.shape.section_bytes)
-        return max(1, min(per, len(self.kv), self.ring.num_slots // 2))
+        return self.store.sections_per_read(self.shape, min(len(self.kv), self.ring.num_slots // 2))
 
     def _landed(self, load: _Load, layer: int, c: int, slot: int, ok: bool, pending: list[int], cv) -> None:  # type: ignore[no-untyped-def]
         assert self.ring is not None
