@@ -25,7 +25,7 @@ import pytest
 
 from kvlab.engine import EngineError, EngineServer
 from kvlab.harness.metrics import parse_server_log
-from kvlab.harness.runner import free_port
+from kvlab.net import free_port
 from kvlab.setups import EngineParams, render
 from kvlab.setups_lmcache import http_port
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.engine import ManagedProcess
-from kvlab.harness.runner import free_port
+from kvlab.net import free_port
 from kvlab.setups import EngineParams, ProcessSpec
 from kvlab.setups_lmcache import cache_server, http_port, kvlab_l2_spec
 

@@ -131,3 +131,11 @@ def test_long_prompt_restored_after_engine_restart(gpu, lab, deployment):
     )
     assert hits > 0 or ext > 0, "no page came from the external store after the restart"
     assert second["ttft_s"] < first["ttft_s"] / 2, (first, second)
+    if kv.get("kv_connector") == "KvlabConnector":
+        # The engine itself, not just gdscheck: kvlab's connector says how it moved the pages.
+        modes = [line for line in after.splitlines() if line.startswith("kvlab_io_mode_info{") and not line.endswith(" 0.0")]
+        want = {"gds", "gds-compat"} if lab["gds_allow_compat_mode"] else {"gds"}
+        assert any(f'mode="{m}"' in line for line in modes for m in want), (
+            f"kvlab moved KV in {modes or 'no reported mode'}, not {sorted(want)}: kvikio is missing from "
+            "vLLM's environment, or GDS is not on for the store's mounts (see test_gds_on_not_compat)"
+        )

@@ -218,7 +218,10 @@ class WorkerSide:
                     "or set io_engine 'auto' to use the host staging ring"
                 )
         assert isinstance(self.ring, StagingRing)
-        self.ring.pin()
+        try:
+            self.ring.pin()
+        except RuntimeError as e:  # slower (copies wait for the host), never wrong
+            log.warning("kvlab connector: %s: copies between the ring and the GPU run synchronously", e)
         self.io_mode = f"{self.store.io_mode}+h2d"
 
     def use_device_io(self, device_io: DeviceIO, device: torch.device) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import socket
 import sys
 import time
 from pathlib import Path
@@ -18,17 +17,12 @@ from kvlab.harness.campaign import Campaign, CampaignError
 from kvlab.harness.memory import MemorySampler
 from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, lives_of, plan
 from kvlab.harness.sessions import sha256_file, workload
+from kvlab.net import free_port
 from kvlab.paths import state_dir
 
 
 def note(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Progress:

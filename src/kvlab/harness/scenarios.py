@@ -126,12 +126,17 @@ class Target:
         return metrics.lmcache_breakdown(ttft_s, after.engine, before.engine, after.server, before.server, log)
 
     def io_mode(self) -> str | None:
-        """The I/O mode the connector reports (kvlab_io_mode_info{mode=...}); None if it reports none."""
-        for key, value in self.connector_metrics().items():
-            if key.startswith("kvlab_io_mode_info{") and value >= 1:
-                label = key.split('mode="', 1)[-1].split('"', 1)[0]
-                return label or None
-        return None
+        """The I/O mode the connector reports; None if it reports none."""
+        return io_mode_of(self.connector_metrics())
+
+
+def io_mode_of(connector_metrics: dict[str, float]) -> str | None:
+    """The mode in kvlab's kvlab_io_mode_info{mode=...} gauge (posix-odirect, gds, gds-compat, ...)."""
+    for key, value in connector_metrics.items():
+        if key.startswith("kvlab_io_mode_info{") and value >= 1:
+            label = key.split('mode="', 1)[-1].split('"', 1)[0]
+            return label or None
+    return None
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from kvlab import paths
+from kvlab.net import free_port
 from kvlab.testbed import image, vm
 from kvlab.testbed.status import CONTROLLERS_SCRIPT, parse_controllers
 
@@ -153,7 +154,7 @@ def up(
         name=name,
         transport=transport,
         image_dir=str(image_dir),
-        fabric_port=vm.free_port(),
+        fabric_port=free_port(),
         key=str(key),
         machines=[],
     )

@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from kvlab.net import free_port
 from kvlab_connector.osutil import pid_alive
 
 SSH_OPTS = (
@@ -56,12 +57,6 @@ class MachineState:
     @property
     def monitor(self) -> Path:
         return Path(self.dir) / "monitor.sock"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def is_our_qemu(pid: int, machine_dir: Path) -> bool:

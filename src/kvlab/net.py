@@ -1,0 +1,12 @@
+"""Loopback ports for what kvlab starts (engines, cache servers, VM forwards)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the kernel picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
