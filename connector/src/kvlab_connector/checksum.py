@@ -63,6 +63,9 @@ def wsum64_tensor(t: Any) -> int:
     if w is None:
         i = torch.arange(n, dtype=torch.int64, device=flat.device)
         w = ((i * _MUL + _ADD) & _MASK31) | 1
+        if w.is_cuda:
+            # Other threads use them from other streams: they must exist before they are shared.
+            torch.cuda.current_stream(w.device).synchronize()
         _device_weights[key] = w
     # int64 products stay below 2**63 (x < 2**32, w < 2**31); the sum wraps mod 2**64,
     # which is what the unsigned host sum does.
