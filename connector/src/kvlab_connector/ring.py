@@ -124,7 +124,11 @@ class DeviceRing(_Slots):
         import torch
 
         super().__init__(ring_bytes, slot_bytes)
+        # Zeroed, so a slot's padding never carries stale device memory onto a drive, and
+        # complete before kvikio (on streams of its own) or an I/O thread touches it.
         self._memory = torch.zeros(self.ring_bytes, dtype=torch.uint8, device=device)
+        if self._memory.is_cuda:
+            torch.cuda.synchronize(self._memory.device)
 
     def tensor(self, slot: int, nbytes: int | None = None):  # type: ignore[no-untyped-def]
         start = slot * self.slot_bytes
