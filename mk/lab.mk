@@ -4,9 +4,12 @@
 plan: ## render every GPU/serving template for inventory=NAME's GPU nodes into build/plan/NAME (no host contacted)
 	scripts/plan $(inventory) build/plan/$(inventory)
 
-bench: setup ## run campaign=FILE on inventory=NAME's bench hosts and fetch results into results/runs/
+# inventory=local runs it on this machine with the embedded default (engines started by the
+# harness, this checkout's .venv; inventories/local/group_vars/bench.yml).
+bench: setup ## run campaign=FILE on inventory=NAME's bench hosts (local: this machine) and fetch results into results/runs/
 	@test -n "$(campaign)" || { echo "bench: give campaign=campaigns/<name>.yml"; exit 2; }
-	ANSIBLE_CONFIG=$(CURDIR)/ansible.cfg $(VENV)/bin/ansible-playbook -i inventories/$(inventory)/hosts.yml \
+	@test -f $(INVENTORY_FILE) || { echo "bench: no $(INVENTORY_FILE)"; exit 2; }
+	$(ANSIBLE_ENV) $(VENV)/bin/ansible-playbook -i $(INVENTORY_FILE) \
 	  playbooks/bench.yml -e bench_runner_campaign=$(abspath $(campaign)) $(ARGS)
 
 GPU_CHECK_WHEELS := .whl
