@@ -138,3 +138,17 @@ def test_two_runs_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str
     out = tmp_path / "both"
     assert main(["report", str(runs / "r1"), str(runs / "latest"), "--out", str(out)]) == 0
     assert "r1:kvlab" in (out / "report.md").read_text()
+
+
+def test_provenance_takes_the_controllers_commit_where_there_is_no_checkout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvlab installed from a wheel (a lab node through bench_runner) has no checkout to ask."""
+    monkeypatch.setattr(results, "repo_root", lambda: tmp_path)
+    monkeypatch.delenv("KVLAB_SOURCE_COMMIT", raising=False)
+    assert results.git_state() == {"commit": None, "dirty": None, "from": None}
+    monkeypatch.setenv("KVLAB_SOURCE_COMMIT", "ab" * 20)
+    monkeypatch.setenv("KVLAB_SOURCE_DIRTY", "false")
+    assert results.git_state() == {"commit": "ab" * 20, "dirty": False, "from": "controller"}
+    monkeypatch.setattr(results, "repo_root", lambda: ROOT)
+    assert results.git_state()["from"] == "checkout", "a checkout's own commit wins"

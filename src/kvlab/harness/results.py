@@ -96,9 +96,17 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> dict[str, Any]:
+    """The commit kvlab runs from. Installed from a wheel (a lab node, through bench_runner)
+    there is no checkout: the controller's commit comes in KVLAB_SOURCE_COMMIT and
+    KVLAB_SOURCE_DIRTY ("true"/"false"), and `from` says which one this is."""
     commit = _git("rev-parse", "HEAD")
+    if commit is None and os.environ.get("KVLAB_SOURCE_COMMIT"):
+        dirty = os.environ.get("KVLAB_SOURCE_DIRTY", "").lower()
+        return {"commit": os.environ["KVLAB_SOURCE_COMMIT"],
+                "dirty": {"true": True, "false": False}.get(dirty), "from": "controller"}
     status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": bool(status) if status is not None else None}
+    return {"commit": commit, "dirty": bool(status) if status is not None else None,
+            "from": "checkout" if commit else None}
 
 
 def versions() -> dict[str, str | None]:
