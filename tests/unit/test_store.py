@@ -356,3 +356,30 @@ def test_store_bench_verifies_what_it_reads_back(tmp_path: Path) -> None:
     run = run_store(paths, size_mib=32, section_mib=1, sections=8, ring_mib=8, threads=2, verify=True)
     assert run.verified is True and run.objects == 4 and run.bytes == 32 << 20
     assert run.read_gbps > 0 and run.write_gbps > 0 and run.paths == [str(p) for p in paths]
+
+
+def test_beginning_a_write_touches_no_drive(tmp_path: Path, ring: StagingRing) -> None:
+    """begin_write runs on the engine's forward pass: files are created by the I/O thread
+    that first writes to them."""
+    store = Store([tmp_path / "d0", tmp_path / "d1"], capacity_bytes=1 << 30)
+    before = sorted(tmp_path.rglob("*"))
+    w = store.begin_write(NS, key(8), SHAPE, num_tokens=512)
+    assert sorted(tmp_path.rglob("*")) == before
+    for s in range(SHAPE.n_sections):
+        slot = ring.acquire(timeout_s=10)
+        ring.buffer(slot)[:SHAPE.section_bytes] = payload(8, s)
+        w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: ring.release(slot))
+    assert w.done.result(timeout=30)
+    assert get(store, ring, 8) == [payload(8, s) for s in range(SHAPE.n_sections)]
+
+
+def test_a_drive_that_refuses_files_fails_the_write_cleanly(tmp_path: Path, ring: StagingRing) -> None:
+    store = Store([tmp_path / "d0"], capacity_bytes=1 << 30)
+    w = store.begin_write(NS, key(9), SHAPE, num_tokens=512)
+    w.tmp[0].parent.parent.mkdir(parents=True, exist_ok=True)
+    w.tmp[0].parent.write_text("a file where the key's folder should be")  # mkdir/open fail
+    for s in range(SHAPE.n_sections):
+        slot = ring.acquire(timeout_s=10)
+        w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: ring.release(slot))
+    assert w.done.result(timeout=30) is False
+    assert ring.in_use == 0 and store.stats.writes_aborted == 1

@@ -25,6 +25,7 @@ reads refresh) under an flock, so several processes share one bound.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -542,9 +543,11 @@ def _scandir(path: str | os.PathLike) -> list[os.DirEntry]:
 
 
 def _unlink(path: str) -> None:
+    """Best effort: a drive that fails here (gone, read-only, EIO) must not stop a writer from
+    finishing; what stays behind is a .tmp the start-up rebuild removes."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass
 
 
@@ -597,7 +600,9 @@ class ObjectWriter:
     """Writes one object's sections as they come; commits when all are on the drives.
 
     Sections may arrive in any order from any thread. `abort()` (or a failed section)
-    discards everything written; nothing becomes visible until `commit`."""
+    discards everything written; nothing becomes visible until `commit`. Nothing here
+    touches a drive on the caller's thread (the engine's forward pass): each fragment file
+    is created by the I/O thread that first writes to it."""
 
     def __init__(self, store: Store, ns: str, key: str, shape: ObjectShape, num_tokens: int, tag: int):
         self.store, self.ns, self.key, self.shape = store, ns, key, shape
@@ -606,7 +611,7 @@ class ObjectWriter:
         suffix = f"{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
         self.final = [store.fragment_path(ns, key, shape, f) for f in range(self.nfrag)]
         self.tmp = [p.with_name(f".{p.name}.{suffix}") for p in self.final]
-        self._fds: list[int] = []
+        self._fds: list[int | None] = [None] * self.nfrag  # opened at the first write (_open)
         self._device_files: list[Any] = [None] * self.nfrag  # opened at the first device write
         self._pending = shape.n_sections
         self._queued: list[list[_QueuedWrite]] = [[] for _ in range(self.nfrag)]
@@ -615,19 +620,30 @@ class ObjectWriter:
         self._closed = False
         self._lock = threading.Lock()
         self.done: Future[bool] = Future()
+
+    def _open(self, frag: int) -> int:
+        """The fragment's temporary file, created at its first write (on an I/O thread; one
+        drain per file at a time, so never twice)."""
+        fd = self._fds[frag]
+        if fd is not None:
+            return fd
+        if self._closed:
+            raise OSError(errno.EBADF, "the writer is closed")
+        p = self.tmp[frag]
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd = self.store._open_for(frag, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        # Allocate the fragment up front: direct writes inside the file's size run in
+        # parallel, while writes that extend a file are serialized by the filesystem.
         try:
-            for f, p in enumerate(self.tmp):
-                p.parent.mkdir(parents=True, exist_ok=True)
-                fd = store._open_for(f, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                self._fds.append(fd)
-                # Allocate the fragment up front: direct writes inside the file's size run in
-                # parallel, while writes that extend a file are serialized by the filesystem.
-                try:
-                    os.posix_fallocate(fd, 0, store.fragment_bytes(key, shape, f))
-                except OSError:
-                    pass  # a filesystem without fallocate still takes the writes
+            os.posix_fallocate(fd, 0, self.store.fragment_bytes(self.key, self.shape, frag))
         except OSError:
-            self._fail()
+            pass  # a filesystem without fallocate still takes the writes
+        with self._lock:
+            if self._closed:  # closed meanwhile (a failed section elsewhere): not ours to keep
+                os.close(fd)
+                raise OSError(errno.EBADF, "the writer is closed")
+            self._fds[frag] = fd
+        return fd
 
     def fill_trailer(self, section: int, buf: memoryview) -> None:
         """Write the section's trailer into its slot after the payload."""
@@ -701,8 +717,9 @@ class ObjectWriter:
         t0 = time.perf_counter()
         if not self._failed:
             try:
+                fd = self._open(frag)
                 if isinstance(run[0][1], memoryview):
-                    ok = pwritev_full(self._fds[frag], [buf for _, buf, _ in run], run[0][0]) == nbytes
+                    ok = pwritev_full(fd, [buf for _, buf, _ in run], run[0][0]) == nbytes
                 else:  # device memory: one section per run
                     (offset, slot, _), = run
                     if self._device_files[frag] is None:
@@ -744,9 +761,10 @@ class ObjectWriter:
             self._fail()
 
     def _close_fds(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         for h in self._device_files:
             if h is not None:
                 try:
@@ -754,6 +772,8 @@ class ObjectWriter:
                 except Exception:
                     pass
         for fd in self._fds:
+            if fd is None:
+                continue
             try:
                 os.close(fd)
             except OSError:
@@ -786,8 +806,14 @@ class ObjectWriter:
             return
         with self.store._lock:
             self.store.stats.objects_written += 1
-        self.store._account(self.shape.object_bytes)
-        self.done.set_result(True)
+        try:
+            self.store._account(self.shape.object_bytes)
+        except OSError:
+            # The ledger could not be updated (a full or failing first drive): the object
+            # stands, and the next eviction's scan counts usage from the drives again.
+            pass
+        finally:
+            self.done.set_result(True)
 
 
 def _nbytes(buf: Any) -> int:
