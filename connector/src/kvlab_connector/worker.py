@@ -125,7 +125,6 @@ class WorkerSide:
         self.saves_enabled = not (layout.mla and rank != 0)
         self.shape = layout.shape
         self.ring: StagingRing | DeviceRing | None = None
-        self.device_io: DeviceIO | None = None  # GDS: sections move drive <-> device memory
         self.io_mode = store.io_mode
         self.kv: list[torch.Tensor] = []
         self.layer_index: dict[str, int] = {}
@@ -230,7 +229,6 @@ class WorkerSide:
         if self.ring is not None:
             self.ring.close()
         self.ring = DeviceRing(self.config.ring_bytes, self.shape.stride, device)
-        self.device_io = device_io
         self.store.device_io = device_io
         self._direct_copy = False
         self.io_mode = device_io.mode
@@ -297,7 +295,7 @@ class WorkerSide:
                         continue
                     with pending_lock:
                         pending[0] += len(run)
-                    if isinstance(self.ring, DeviceRing):
+                    if device:
                         fut = self.store.submit_read_sections_device(
                             fds[c], self.ns, chunk.key, self.shape, run, [self.ring.tensor(s) for s in slots], self.tag
                         )
