@@ -63,6 +63,7 @@ def write_objects(store, shape, ns: str, n_objects: int, expected, torch, seed: 
         payload = torch.randint(0, 256, (n, shape.section_bytes), dtype=torch.uint8, device=device, generator=gen)
         slots[:, : shape.section_bytes] = payload
         expected[i * n : (i + 1) * n] = payload
+        sync()  # the store checksums and kvikio writes from streams of their own
         writer = store.begin_write(ns, key, shape, num_tokens=4096, tag=0)
         for s in range(n):
             writer.submit_device_section(s, slots[s], lambda ok: None)
@@ -278,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
         report["page_cache_dropped"] = drop_page_cache()
         dst = torch.zeros(n_rows, shape.stride, dtype=torch.uint8, device=device)
+        sync()  # zeroed before kvikio (its own streams) writes into it
         gpu_s, gpu_bad = restore_device(store, shape, ns, keys, dst)
         same = bool(torch.equal(dst[:, : shape.section_bytes], expected))
         if not same:

@@ -56,6 +56,10 @@ class _Load:
         self.failed_chunks: set[int] = set()
         self.cancelled = False
         self.copying = 0  # copies into the paged cache under way
+        # GPU engines: recorded on the forward stream at start_load_kv; copies into the
+        # paged cache wait for it, so that no kernel queued before the load (one still
+        # writing those blocks) runs after a restored block has landed.
+        self.forward_mark: Any = None
         self.lock = threading.Condition()
         # Where a load's time goes (the debug log): when it started, when each layer was
         # ready, how long the forward pass waited for each.
@@ -248,6 +252,9 @@ class WorkerSide:
         if not meta.loads:
             return
         load = _Load(meta.loads, len(self.kv))
+        if self._cuda:
+            load.forward_mark = torch.cuda.Event()
+            load.forward_mark.record()
         self._load = load
         self._load_deadline = time.monotonic() + self.config.load_timeout_s
         threading.Thread(target=self._feed, args=(load,), name="kvlab-load", daemon=True).start()
@@ -338,7 +345,7 @@ class WorkerSide:
             # After a timeout the blocks belong to vLLM's recompute: hands off.
             if ok and load.begin_copy():
                 try:
-                    self._copy_in(layer, slot, load.chunks[c].block_ids)
+                    self._copy_in(layer, slot, load.chunks[c].block_ids, load.forward_mark)
                 finally:
                     load.end_copy()
             else:
@@ -353,8 +360,9 @@ class WorkerSide:
                 pending[0] -= 1
                 cv.notify()
 
-    def _copy_in(self, layer: int, slot: int, block_ids: list[int]) -> None:
-        """Copy a landed section from its ring slot into the layer's paged blocks."""
+    def _copy_in(self, layer: int, slot: int, block_ids: list[int], after: Any = None) -> None:
+        """Copy a landed section from its ring slot into the layer's paged blocks (on a GPU,
+        after the CUDA event `after`)."""
         assert self.ring is not None
         dst = self.kv[layer]
         if self._direct_copy:
@@ -379,6 +387,8 @@ class WorkerSide:
         if any(b >= self._num_blocks for b in ids):
             raise IndexError(f"block {max(ids)} outside the KV cache ({self._num_blocks} blocks)")
         with side_stream(dst.device):
+            if after is not None:
+                torch.cuda.current_stream().wait_event(after)
             src_t = self._slot_tensor(slot)
             if len(sel) != len(block_ids):
                 src_t = src_t[sel]
