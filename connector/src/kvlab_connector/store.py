@@ -332,7 +332,7 @@ class Store:
         shape.stride bytes), one request each, verified on the device; the Future says,
         per section, whether it verified."""
         out: Future[list[bool]] = Future()
-        oks: list[bool | None] = [None] * len(sections)
+        oks = [False] * len(sections)
         left = [len(sections)]
         t0 = time.perf_counter()
 
@@ -350,8 +350,8 @@ class Store:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                self._note_read(t0, [bool(x) for x in oks], shape)
-                out.set_result([bool(x) for x in oks])
+                self._note_read(t0, oks, shape)
+                out.set_result(oks)
 
         for i in range(len(sections)):
             self.engine.submit(one, i)
@@ -671,14 +671,13 @@ class ObjectWriter:
             on_done(False)
             self._section_done(False)
             return
+        import torch
+
         shape = self.shape
         pay = align_up(shape.section_bytes)
         with side_stream(slot.device):
             checksum = wsum64_tensor(slot[:shape.section_bytes])
-        trailer = pack_trailer(self.ns, self.key, shape, section, self.num_tokens, self.tag, MAGIC_WSUM, checksum)
-        import torch
-
-        with side_stream(slot.device):
+            trailer = pack_trailer(self.ns, self.key, shape, section, self.num_tokens, self.tag, MAGIC_WSUM, checksum)
             slot[pay:pay + TRAILER_BYTES].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
             if slot.is_cuda:
                 torch.cuda.current_stream().synchronize()  # kvikio writes from its own stream
