@@ -19,6 +19,7 @@ Exit status: 0 verified, 1 a byte or checksum differs, 2 no usable GPU or store 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import mmap
@@ -27,6 +28,30 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+T0 = time.perf_counter()
+
+
+def step(msg: str) -> None:
+    """Progress on stderr, so a slow or stuck stage is named in the log."""
+    print(f"gpu-check: [{time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def source_commit() -> str:
+    """The checkout's commit (a '-dirty' suffix when files differ), for the report's provenance."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True
+        )
+        return head + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("KVLAB_SOURCE_COMMIT", "unknown (no git checkout)")
 
 
 def fail(code: int, msg: str) -> None:
@@ -49,7 +74,9 @@ def key_of(i: int) -> str:
     return hashlib.blake2b(f"gpu-check-{i}".encode(), digest_size=16).hexdigest()
 
 
-def write_objects(store, shape, ns: str, n_objects: int, expected, torch, seed: int) -> tuple[list[str], float]:  # type: ignore[no-untyped-def]
+def write_objects(
+    store, shape, ns: str, n_objects: int, expected, torch, seed: int
+) -> tuple[list[str], float]:  # type: ignore[no-untyped-def]
     """Write n_objects from device memory through the store's GDS save path (each section
     checksummed on the device, written by store.device_io); `expected` gets every section's
     payload, on the device."""
@@ -60,7 +87,9 @@ def write_objects(store, shape, ns: str, n_objects: int, expected, torch, seed: 
     keys, t0 = [], time.perf_counter()
     for i in range(n_objects):
         key = key_of(i)
-        payload = torch.randint(0, 256, (n, shape.section_bytes), dtype=torch.uint8, device=device, generator=gen)
+        payload = torch.randint(
+            0, 256, (n, shape.section_bytes), dtype=torch.uint8, device=device, generator=gen
+        )
         slots[:, : shape.section_bytes] = payload
         expected[i * n : (i + 1) * n] = payload
         sync()  # the store checksums and kvikio writes from streams of their own
@@ -97,60 +126,136 @@ def restore_device(store, shape, ns: str, keys: list[str], dst) -> tuple[float, 
     return seconds, bad
 
 
-def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, torch) -> dict:  # type: ignore[no-untyped-def]
+def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, torch, rounds: int) -> dict:  # type: ignore[no-untyped-def]
     """The connector's worker side as a GPU engine runs it, without vLLM: a paged KV cache
     in vLLM's GPU layout ([2, blocks, block size, KV heads, head dim] per layer), chunks
     saved layer by layer (copies on the save stream, writes queued), the cache wiped, the
-    chunks loaded into other blocks layer by layer; every byte compared."""
+    chunks loaded into other blocks layer by layer; every byte compared. The first round
+    pays for the I/O threads' first CUDA calls and is reported apart (cold). Last, one
+    saved object is damaged on the drive: its load must be an error, the others intact."""
     from kvlab_connector.config import ConnectorConfig
     from kvlab_connector.layout import Layout
     from kvlab_connector.scheduler import ChunkIO, StepMetadata
     from kvlab_connector.store import Store
     from kvlab_connector.worker import WorkerSide
 
-    layers, blocks, bs, heads, hd, chunk = 8, 64, 16, 8, 128, 256
+    layers, blocks, bs, heads, hd, chunk = 8, 256, 16, 8, 128, 256
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
     block_bytes = 2 * bs * heads * hd * 2  # K and V, bf16
     layout = Layout(names, bs, block_bytes, chunk, "gpu-check", device, "gpu-check", 1, False)
+    per, half = chunk // bs, blocks // 2
+    n_chunks = half // per
     config = ConnectorConfig.from_extra(
-        {"paths": [str(d / f"engine-{io_engine}") for d in dirs], "ring_bytes": 64 << 20,
-         "chunk_tokens": chunk, "io_engine": io_engine}
+        {
+            "paths": [str(d / f"engine-{io_engine}") for d in dirs],
+            "ring_bytes": 2 * n_chunks * layers * (per * block_bytes + (64 << 10)),  # a step's saves, twice
+            "chunk_tokens": chunk,
+            "io_engine": io_engine,
+        }
     )
     worker = WorkerSide(config, layout, Store(config.paths, 4 << 30), rank=0)
     gen = torch.Generator(device=device).manual_seed(7)
-    kv = {n: torch.randn(2, blocks, bs, heads, hd, generator=gen, device=device).to(torch.bfloat16) for n in names}
+    kv = {n: torch.empty(2, blocks, bs, heads, hd, dtype=torch.bfloat16, device=device) for n in names}
     worker.register_kv_caches(kv, blocks)
     if device_io is not None:  # --cpu-dry-run: the device path on CPU tensors
         worker.use_device_io(device_io, torch.device(device))
-    per = chunk // bs
-    chunks = [ChunkIO(key_of(1000 + c), list(range(c * per, (c + 1) * per))) for c in range(blocks // per // 2)]
-    saved = {n: t.clone() for n, t in kv.items()}
-    t0 = time.perf_counter()
-    meta = StepMetadata(saves=chunks)
-    for n, t in kv.items():
-        worker.save_layer(n, t, meta)
-    worker.end_step()
-    deadline = time.monotonic() + 120
-    while worker.store.stats.objects_written < len(chunks) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    save_s = time.perf_counter() - t0
-    for t in kv.values():
-        t.zero_()
-    half = blocks // 2
-    targets = [ChunkIO(c.key, [b + half for b in c.block_ids]) for c in chunks]
-    t0 = time.perf_counter()
-    worker.start_load(StepMetadata(loads=targets))
-    for n in names:
-        worker.wait_for_layer(n)
-    errors = worker.take_load_errors()
-    sync()
-    load_s = time.perf_counter() - t0
-    same = all(torch.equal(kv[n][:, half:], saved[n][:, :half]) for n in names)
-    moved = len(chunks) * layers * per * block_bytes
+    moved = n_chunks * layers * per * block_bytes
+
+    def load(chunks: list) -> tuple[float, set]:  # type: ignore[type-arg]
+        for t in kv.values():
+            t[:, half:].zero_()
+        targets = [ChunkIO(c.key, [b + half for b in c.block_ids]) for c in chunks]
+        t0 = time.perf_counter()
+        worker.start_load(StepMetadata(loads=targets))
+        for n in names:
+            worker.wait_for_layer(n)
+        errors = worker.take_load_errors()
+        sync()
+        return time.perf_counter() - t0, errors
+
+    results, same, load_errors = [], True, 0
+    for r in range(rounds):
+        for t in kv.values():
+            t.copy_(torch.randn(t.shape, generator=gen, device=device))
+        saved = {n: t[:, :half].clone() for n, t in kv.items()}
+        chunks = [
+            ChunkIO(key_of(1000 * (r + 1) + c), list(range(c * per, (c + 1) * per))) for c in range(n_chunks)
+        ]
+        written = worker.store.stats.objects_written
+        sync()
+        t0 = time.perf_counter()
+        meta = StepMetadata(saves=chunks)
+        for n, t in kv.items():
+            worker.save_layer(n, t, meta)
+        worker.end_step()
+        deadline = time.monotonic() + 120
+        while worker.store.stats.objects_written < written + n_chunks and time.monotonic() < deadline:
+            time.sleep(0.001)
+        save_s = time.perf_counter() - t0
+        load_s, errors = load(chunks)
+        load_errors += len(errors)
+        same = same and all(torch.equal(kv[n][:, half:], saved[n]) for n in names)
+        results.append((moved / 1e9 / save_s, moved / 1e9 / load_s))
+
+    # A flipped byte in one layer's section of the first chunk: that chunk's blocks are
+    # reported (vLLM recomputes them), every other chunk still loads byte for byte.
+    frag, offset = worker.store.placement(chunks[0].key, worker.shape, 1)
+    flip_byte(worker.store.fragment_path(worker.ns, chunks[0].key, worker.shape, frag), offset + 4096)
+    _, errors = load(chunks)
+    damaged_blocks = {b + half for b in chunks[0].block_ids}
+    others_same = all(
+        torch.equal(kv[n][:, half + per * c : half + per * (c + 1)], saved[n][:, per * c : per * (c + 1)])
+        for n in names
+        for c in range(1, n_chunks)
+    )
+    warm = results[1:] or results
     return {
-        "io_engine": io_engine, "io_mode": worker.io_mode, "objects_written": worker.store.stats.objects_written,
-        "saves_dropped": worker.saves_dropped, "load_errors": len(errors), "byte_for_byte": same,
-        "bytes": moved, "save_gbps": round(moved / 1e9 / save_s, 3), "load_gbps": round(moved / 1e9 / load_s, 3),
+        "io_engine": io_engine,
+        "io_mode": worker.io_mode,
+        "rounds": rounds,
+        "objects_written": worker.store.stats.objects_written,
+        "saves_dropped": worker.saves_dropped,
+        "load_errors": load_errors,
+        "byte_for_byte": same,
+        "bytes_per_round": moved,
+        "cold_save_gbps": round(results[0][0], 3),
+        "cold_load_gbps": round(results[0][1], 3),
+        "save_gbps": round(sorted(x[0] for x in warm)[len(warm) // 2], 3),  # median of the warm rounds
+        "load_gbps": round(sorted(x[1] for x in warm)[len(warm) // 2], 3),
+        "damaged_object_is_load_error": errors == damaged_blocks and others_same,
+    }
+
+
+def flip_byte(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def damaged_restore(store, shape, ns: str, key: str, expected, torch) -> dict:  # type: ignore[no-untyped-def]
+    """One payload byte of section 1 flipped on the drive: restoring the object into device
+    memory must fail that section (verified on the device) and deliver every other one."""
+    n = shape.n_sections
+    frag, offset = store.placement(key, shape, 1)
+    flip_byte(store.fragment_path(ns, key, shape, frag), offset + 4096)
+    dst = torch.zeros(n, shape.stride, dtype=torch.uint8, device=expected.device)
+    sync()
+    handles = store.open_object_device(ns, key, shape)
+    if handles is None:
+        return {"failed_sections": "the whole object vanished", "others_byte_for_byte": False}
+    oks = store.submit_read_sections_device(handles, ns, key, shape, list(range(n)), list(dst)).result(
+        timeout=60
+    )
+    sync()
+    for h in handles:
+        h.close()
+    return {
+        "failed_sections": [s for s, ok in enumerate(oks) if not ok],
+        "others_byte_for_byte": all(
+            torch.equal(dst[s, : shape.section_bytes], expected[s]) for s in range(n) if s != 1
+        ),
     }
 
 
@@ -215,8 +320,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="no GPU: CPU tensors and a POSIX stand-in for kvikio (tests the check itself)",
     )
+    ap.add_argument(
+        "--engine-rounds", type=int, default=4, help="engine save/load rounds (the first is reported as cold)"
+    )
+    ap.add_argument(
+        "--watchdog-s",
+        type=float,
+        default=270.0,
+        help="past this, print every thread's stack and exit (a hung cuFile call or stream is named)",
+    )
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
 
     try:
         import torch
@@ -227,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         fail(2, "torch sees no CUDA GPU (driver or CUDA_VISIBLE_DEVICES)")
     device = "cpu" if dry else "cuda"
     report: dict = {
+        "commit": source_commit(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
@@ -243,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         device_io = DeviceIO(PosixFile, "posix (dry run)")
     else:
         os.environ.setdefault("KVIKIO_NTHREADS", str(args.threads))
+        step("probing kvikio and cuFile (subprocess)")
         probe = probe_gds(60)  # a subprocess: a cuFile hang costs a timeout, not the check
         if not probe.usable:
             fail(2, f"kvikio cannot run here: {probe.reason}")
@@ -268,38 +385,55 @@ def main(argv: list[str] | None = None) -> int:
     n_rows = n_objects * shape.n_sections
     total = n_rows * shape.section_bytes  # payload bytes
     ns = hashlib.blake2b(b"gpu-check", digest_size=16).hexdigest()
-    store = Store([d / "store" for d in dirs], capacity_bytes=2 * n_objects * shape.object_bytes + (1 << 30),
-                  io_threads=args.threads)
+    store = Store(
+        [d / "store" for d in dirs],
+        capacity_bytes=2 * n_objects * shape.object_bytes + (1 << 30),
+        io_threads=args.threads,
+    )
     store.device_io = device_io
     report["store_io_mode"] = store.io_mode
     try:
         expected = torch.empty(n_rows, shape.section_bytes, dtype=torch.uint8, device=device)
+        step(f"writing {n_objects} objects ({total / 2**30:.2f} GiB) from {device} memory")
         keys, write_s = write_objects(store, shape, ns, n_objects, expected, torch, seed=20261129)
         from kvlab_connector.osutil import drop_page_cache
 
         report["page_cache_dropped"] = drop_page_cache()
         dst = torch.zeros(n_rows, shape.stride, dtype=torch.uint8, device=device)
         sync()  # zeroed before kvikio (its own streams) writes into it
+        step(f"restoring them into {device} memory ({device_io.mode})")
         gpu_s, gpu_bad = restore_device(store, shape, ns, keys, dst)
         same = bool(torch.equal(dst[:, : shape.section_bytes], expected))
         if not same:
             diff = (dst[:, : shape.section_bytes] != expected).reshape(-1).to(torch.uint8)
             report["first_differing_byte"] = int(torch.argmax(diff))
         drop_page_cache()
+        step("restoring them through the POSIX path, then a pinned host -> device copy")
         posix_s, posix_bad = restore_posix(store, shape, ns, keys)
         h2d_s, copied = pinned_copy(expected.reshape(-1), torch)
         same_copy = bool(torch.equal(copied, expected.reshape(-1)))
-        engine = [
-            engine_round_trip(dirs, device, "auto", device_io if dry else None, torch),
-            engine_round_trip(dirs, device, "posix", None, torch),
-        ]
+        step("one section damaged on the drive: its restore into device memory must fail, alone")
+        damage = damaged_restore(store, shape, ns, keys[0], expected[: shape.n_sections], torch)
+        engine = []
+        for io_engine in ("auto", "posix"):
+            step(f"engine round trip, io_engine {io_engine}")
+            dev_io = device_io if dry and io_engine == "auto" else None
+            engine.append(engine_round_trip(dirs, device, io_engine, dev_io, torch, args.engine_rounds))
     finally:
+        faulthandler.cancel_dump_traceback_later()
         store.close()
         if tmp:
             tmp.cleanup()
 
     gb = total / 1e9
-    engine_ok = all(e["byte_for_byte"] and e["load_errors"] == 0 and e["saves_dropped"] == 0 for e in engine)
+    engine_ok = all(
+        e["byte_for_byte"]
+        and e["load_errors"] == 0
+        and e["saves_dropped"] == 0
+        and e["damaged_object_is_load_error"]
+        for e in engine
+    )
+    damage_ok = damage["failed_sections"] == [1] and damage["others_byte_for_byte"]
     report |= {
         "objects": n_objects,
         "bytes": total,
@@ -315,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "posix_sections_failed": posix_bad,
         "pinned_copy_byte_for_byte": same_copy,
         "engine": engine,
+        "damaged_section": damage,
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     print(
@@ -326,13 +461,18 @@ def main(argv: list[str] | None = None) -> int:
         f"(ratio {report['gpu_restore_vs_pinned_h2d']}), POSIX read {report['posix_restore_gbps']} GB/s, "
         f"write from {device} memory {report['write_gbps']} GB/s\n"
         f"  byte for byte: {'yes' if same else 'NO'}; sections failed: {gpu_bad} ({device}), {posix_bad} (POSIX); "
-        f"page cache dropped: {report['page_cache_dropped']}"
+        f"page cache dropped: {report['page_cache_dropped']}\n"
+        f"  one damaged section: sections failed {damage['failed_sections']} (want [1]), "
+        f"the others byte for byte: {'yes' if damage['others_byte_for_byte'] else 'NO'}"
     )
     for e in engine:
         print(
-            f"  engine, io_engine {e['io_engine']} ({e['io_mode']}): save {e['save_gbps']} GB/s, "
-            f"load {e['load_gbps']} GB/s, byte for byte: {'yes' if e['byte_for_byte'] else 'NO'}, "
-            f"load errors {e['load_errors']}, saves dropped {e['saves_dropped']}"
+            f"  engine, io_engine {e['io_engine']} ({e['io_mode']}), {e['rounds']} rounds of "
+            f"{e['bytes_per_round'] >> 20} MiB: save {e['save_gbps']} GB/s, load {e['load_gbps']} GB/s "
+            f"(cold: {e['cold_save_gbps']}, {e['cold_load_gbps']}), byte for byte: "
+            f"{'yes' if e['byte_for_byte'] else 'NO'}, load errors {e['load_errors']}, saves dropped "
+            f"{e['saves_dropped']}, a damaged object is a load error: "
+            f"{'yes' if e['damaged_object_is_load_error'] else 'NO'}"
         )
     print(f"  {report['seconds']} s")
     line = json.dumps(report, sort_keys=True)
@@ -340,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(os.environ["OUT"]) / "gpu-check.json" if os.environ.get("OUT") else None)
     if out:
         out.write_text(line + "\n")
-    ok = same and same_copy and gpu_bad == 0 and posix_bad == 0 and engine_ok
+    ok = same and same_copy and gpu_bad == 0 and posix_bad == 0 and engine_ok and damage_ok
     return 0 if ok else 1
 
 

@@ -34,6 +34,8 @@ def test_gpu_check_dry_run_restores_byte_for_byte(tmp_path: Path) -> None:
             "8",
             "--threads",
             "2",
+            "--engine-rounds",
+            "2",
             "--dir",
             str(store),
             "--out",
@@ -55,7 +57,9 @@ def test_gpu_check_dry_run_restores_byte_for_byte(tmp_path: Path) -> None:
     assert engine["posix"]["io_mode"].startswith("posix-"), "the worker's host ring ran"
     for e in engine.values():
         assert e["byte_for_byte"] and e["load_errors"] == 0 and e["saves_dropped"] == 0
-        assert e["objects_written"] > 0
+        assert e["objects_written"] > 0 and e["rounds"] == 2
+        assert e["damaged_object_is_load_error"] is True
+    assert report["damaged_section"] == {"failed_sections": [1], "others_byte_for_byte": True}
 
 
 def test_gpu_check_wheels_fit_in_64_mib() -> None:
