@@ -434,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         for e in engine
     )
     damage_ok = damage["failed_sections"] == [1] and damage["others_byte_for_byte"]
+    # On a GPU, io_engine auto must have taken kvikio (its start-up self-test passed), not
+    # fallen back to the host ring.
+    auto_on_kvikio = dry or engine[0]["io_mode"] == report["io_mode"]
     report |= {
         "objects": n_objects,
         "bytes": total,
@@ -480,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(os.environ["OUT"]) / "gpu-check.json" if os.environ.get("OUT") else None)
     if out:
         out.write_text(line + "\n")
-    ok = same and same_copy and gpu_bad == 0 and posix_bad == 0 and engine_ok and damage_ok
+    if not auto_on_kvikio:
+        print(
+            f"gpu-check: io_engine auto fell back to {engine[0]['io_mode']}: see the connector's warning above"
+        )
+    ok = same and same_copy and gpu_bad == 0 and posix_bad == 0 and engine_ok and damage_ok and auto_on_kvikio
     return 0 if ok else 1
 
 

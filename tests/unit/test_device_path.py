@@ -9,6 +9,7 @@ kvikio on a GPU.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +196,36 @@ def test_gds_on_a_cpu_engine_is_refused(tmp_path: Path) -> None:
     w = WorkerSide(config, layout(), Store(config.paths, 1 << 30), rank=0)
     with pytest.raises(RuntimeError, match="io_engine 'gds'.*set io_engine 'auto' or 'posix'"):
         w.register_kv_caches(kv_caches(seed=1), BLOCKS)
+
+
+class _FlippingFile(PosixFile):
+    """Reads come back with one byte changed: what a broken DMA path would deliver."""
+
+    def pread(self, t, size: int, file_offset: int = 0):  # type: ignore[no-untyped-def]
+        done = super().pread(t, size, file_offset)
+        t.view(torch.uint8).reshape(-1)[size // 2] ^= 0xFF
+        return done
+
+
+class _StuckFile(PosixFile):
+    def pwrite(self, t, size: int, file_offset: int = 0):  # type: ignore[no-untyped-def]
+        time.sleep(5)
+        return super().pwrite(t, size, file_offset)
+
+
+def test_device_io_self_test_passes_on_every_drive_and_leaves_nothing(tmp_path: Path) -> None:
+    drives = [tmp_path / "d0", tmp_path / "d1" / "kvlab-v1"]
+    assert DeviceIO(PosixFile, "posix-stand-in").self_test(torch.device("cpu"), drives) is None
+    assert [p for d in drives for p in d.iterdir()] == [], "the scratch files are removed"
+
+
+def test_device_io_self_test_names_the_drive_and_what_went_wrong(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good", tmp_path / "not-a-folder"
+    bad.write_bytes(b"")
+    why = DeviceIO(PosixFile, "posix-stand-in").self_test(torch.device("cpu"), [good, bad])
+    assert why is not None and str(bad) in why and str(good) not in why
+    why = DeviceIO(_FlippingFile, "flipping").self_test(torch.device("cpu"), [good])
+    assert why == f"{good}: the bytes read back differ from those written"
+    t0 = time.monotonic()
+    why = DeviceIO(_StuckFile, "stuck").self_test(torch.device("cpu"), [good], timeout_s=0.3)
+    assert why == "timed out after 0.3 s" and time.monotonic() - t0 < 2, "a hung call costs the timeout only"

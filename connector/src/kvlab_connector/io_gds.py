@@ -134,6 +134,57 @@ class DeviceIO:
     def pwrite(self, handle: Any, t: Any, nbytes: int, offset: int) -> int:
         return int(handle.pwrite(t, size=nbytes, file_offset=offset).get())
 
+    def self_test(self, device: Any, drives: list[Any], nbytes: int = 1 << 20, timeout_s: float = 30.0) -> str | None:
+        """Move nbytes from device memory to a scratch file on each drive and back, byte for
+        byte. None when every drive passed, else why not. The probe only shows that kvikio
+        loads; a filesystem cuFile cannot open (GDS mode on an overlay, say) or a broken
+        driver shows here, at start, instead of failing every load. It also pays kvikio's
+        first-call costs (bounce buffers, threads) before the first request does. A call
+        that hangs costs timeout_s, never the engine."""
+        result: list[str | None] = [f"timed out after {timeout_s:g} s"]
+
+        def run() -> None:
+            result[0] = self._round_trips(device, drives, nbytes)
+
+        t = threading.Thread(target=run, name="kvlab-gds-selftest", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        return result[0]
+
+    def _round_trips(self, device: Any, drives: list[Any], nbytes: int) -> str | None:
+        import torch
+
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        for drive in drives:
+            path = os.path.join(os.fspath(drive), f".gds-selftest.{os.getpid()}")
+            try:
+                os.makedirs(os.fspath(drive), exist_ok=True)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
+                if src.is_cuda:
+                    torch.cuda.synchronize(device)  # kvikio reads src from its own streams
+                h = self.open(path, "r+")
+                try:
+                    wrote = self.pwrite(h, src, nbytes, 0)
+                    dst.zero_()
+                    if dst.is_cuda:
+                        torch.cuda.synchronize(device)
+                    got = self.pread(h, dst, nbytes, 0)
+                finally:
+                    h.close()
+                if wrote != nbytes or got != nbytes:
+                    return f"{drive}: wrote {wrote} and read {got} of {nbytes} bytes"
+                if not torch.equal(src, dst):
+                    return f"{drive}: the bytes read back differ from those written"
+            except Exception as e:  # cuFile's own errors included
+                return f"{drive}: {type(e).__name__}: {e}"
+            finally:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        return None
+
 
 class PosixFile:
     """kvikio.CuFile's calls (open by path and flags; pread/pwrite of a contiguous tensor

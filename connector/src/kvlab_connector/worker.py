@@ -211,14 +211,20 @@ class WorkerSide:
         if self.config.io_engine != "posix":
             gds = probe_gds()
             log.info("kvlab connector: GDS probe: %s", gds.reason)
+            why = gds.reason
             if gds.usable:
-                self.use_device_io(DeviceIO.kvikio(gds), device)
-                return
+                device_io = DeviceIO.kvikio(gds)
+                failed = device_io.self_test(device, self.store.drives)
+                if failed is None:
+                    self.use_device_io(device_io, device)
+                    return
+                why = f"the {gds.mode} self-test failed: {failed}"
+                log.warning("kvlab connector: %s", why)
             if self.config.io_engine == "gds":
                 raise RuntimeError(
-                    f"kvlab connector: io_engine 'gds' but kvikio cannot run here ({gds.reason}); "
-                    "install kvlab-connector[gds-cu12] (or [gds-cu13]) into vLLM's environment, "
-                    "or set io_engine 'auto' to use the host staging ring"
+                    f"kvlab connector: io_engine 'gds' but kvikio cannot move KV here ({why}); "
+                    "install kvlab-connector[gds-cu12] (or [gds-cu13]) into vLLM's environment and "
+                    "check the drives' filesystem, or set io_engine 'auto' to use the host staging ring"
                 )
         assert isinstance(self.ring, StagingRing)
         try:
