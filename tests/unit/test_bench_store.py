@@ -1,0 +1,30 @@
+"""`kvlab bench store` end to end, small: real fio beside the real store, repeat by repeat."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from kvlab.bench import bench_store
+from kvlab.fio import fio_available
+
+
+@pytest.mark.skipif(not fio_available(), reason="fio is not installed (scripts/system-deps installs it)")
+def test_ratios_pair_the_store_with_fios_best_job_of_the_same_repeat(tmp_path: Path) -> None:
+    res = bench_store(tmp_path, repeats=3, size_mib=32, small_objects=500)
+    raw = res["raw"]
+    fio = raw["fio_gbps"]
+    assert set(fio) == {"write-1M", "write-4M", "read-1M", "read-4M"}
+    assert all(len(v) == 3 for v in fio.values())
+    jobs = res["fio_limit_jobs"]
+    for rw in ("write", "read"):
+        best = max((k for k in fio if k.startswith(rw)), key=lambda k: statistics.median(fio[k]))
+        assert jobs[rw] == best, "the limit is the job with the best median"
+        assert res[f"fio_{rw}_limit_gbps"] == statistics.median(fio[best])
+        store = raw[f"store_{rw}_gbps"]
+        assert raw[f"{rw}_ratio"] == [s / f for s, f in zip(store, fio[best], strict=True)]
+        assert res[f"{rw}_ratio"] == statistics.median(raw[f"{rw}_ratio"]) > 0
+    assert res["index_rebuild_objects"] == 500 and res["index_rebuild_s_100k"] > 0
+    assert res["fio_jobs"]["write-4M"]["direct"] == 1 and res["fio_jobs"]["read-1M"]["iodepth"] == 32
