@@ -17,6 +17,8 @@ _served_ports: set[int] = set()
 
 def metrics() -> dict[str, Any] | None:
     global _metrics
+    if _metrics is not None:  # every I/O lands here: no lock once the registry exists
+        return _metrics
     with _lock:
         if _metrics is not None:
             return _metrics
