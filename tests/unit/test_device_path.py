@@ -229,3 +229,14 @@ def test_device_io_self_test_names_the_drive_and_what_went_wrong(tmp_path: Path)
     t0 = time.monotonic()
     why = DeviceIO(_StuckFile, "stuck").self_test(torch.device("cpu"), [good], timeout_s=0.3)
     assert why == "timed out after 0.3 s" and time.monotonic() - t0 < 2, "a hung call costs the timeout only"
+
+
+def test_device_io_self_test_refuses_a_device_checksum_the_host_would_not_match(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvlab_connector import checksum
+
+    real = checksum.wsum64_tensor
+    monkeypatch.setattr(checksum, "wsum64_tensor", lambda t: real(t) ^ 1)
+    why = DeviceIO(PosixFile, "posix-stand-in").self_test(torch.device("cpu"), [tmp_path])
+    assert why is not None and why.startswith("wsum64 on cpu differs from wsum64 on the host")

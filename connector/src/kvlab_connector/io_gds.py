@@ -136,11 +136,12 @@ class DeviceIO:
 
     def self_test(self, device: Any, drives: list[Any], nbytes: int = 1 << 20, timeout_s: float = 30.0) -> str | None:
         """Move nbytes from device memory to a scratch file on each drive and back, byte for
-        byte. None when every drive passed, else why not. The probe only shows that kvikio
-        loads; a filesystem cuFile cannot open (GDS mode on an overlay, say) or a broken
-        driver shows here, at start, instead of failing every load. It also pays kvikio's
-        first-call costs (bounce buffers, threads) before the first request does. A call
-        that hangs costs timeout_s, never the engine."""
+        byte, and set the section checksum computed on the device against the host's. None
+        when all of it passed, else why not. The probe only shows that kvikio loads; a
+        filesystem cuFile cannot open (GDS mode on an overlay, say) or a broken driver
+        shows here, at start, instead of failing every load. It also pays the first-call
+        costs (kvikio's buffers and threads, the checksum's kernels) before the first
+        request does. A call that hangs costs timeout_s, never the engine."""
         result: list[str | None] = [f"timed out after {timeout_s:g} s"]
 
         def run() -> None:
@@ -154,8 +155,15 @@ class DeviceIO:
     def _round_trips(self, device: Any, drives: list[Any], nbytes: int) -> str | None:
         import torch
 
+        from kvlab_connector import checksum
+
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
         dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        # Sections written from device memory carry a checksum computed there and may be
+        # verified on the host: both must agree on this device (this also loads the
+        # checksum's kernels before the first save needs them).
+        if checksum.wsum64_tensor(src) != checksum.wsum64(src.cpu().numpy()):
+            return f"wsum64 on {device} differs from wsum64 on the host: sections written here would not verify"
         for drive in drives:
             path = os.path.join(os.fspath(drive), f".gds-selftest.{os.getpid()}")
             try:
