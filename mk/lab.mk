@@ -18,6 +18,6 @@ gpu-check-wheels: ## download the few wheels gpu-check brings to a GPU machine (
 	touch $(GPU_CHECK_WHEELS)/.complete
 
 # On the GPU machine (no network) the wheels come along in .whl/: download only where missing.
-gpu-check: ## one GPU (Python 3.12 + torch + CUDA): store objects restored into GPU memory through kvikio, byte for byte, GB/s vs pinned copy
+gpu-check: ## one GPU (Python 3.12 + torch + CUDA, no vLLM): GDS store and engine round trips byte for byte, damage caught, GB/s vs pinned copy
 	@test -f $(GPU_CHECK_WHEELS)/.complete || $(MAKE) --no-print-directory gpu-check-wheels
 	scripts/gpu-check --wheels $(GPU_CHECK_WHEELS) $(ARGS)
