@@ -197,6 +197,10 @@ def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, 
         same = same and all(torch.equal(kv[n][:, half:], saved[n]) for n in names)
         results.append((moved / 1e9 / save_s, moved / 1e9 / load_s))
 
+    layer_load_s = moved / 1e9 / results[-1][1] / layers  # one layer's share of the last load
+    overlap = overlap_with_compute(worker, kv, names, chunks, saved, load, device, torch, layer_load_s)
+    same = same and overlap.pop("byte_for_byte")
+
     # A flipped byte in one layer's section of the first chunk: that chunk's blocks are
     # reported (vLLM recomputes them), every other chunk still loads byte for byte.
     frag, offset = worker.store.placement(chunks[0].key, worker.shape, 1)
@@ -223,6 +227,95 @@ def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, 
         "save_gbps": round(sorted(x[0] for x in warm)[len(warm) // 2], 3),  # median of the warm rounds
         "load_gbps": round(sorted(x[1] for x in warm)[len(warm) // 2], 3),
         "damaged_object_is_load_error": errors == damaged_blocks and others_same,
+        "overlap": overlap,
+    }
+
+
+def overlap_with_compute(
+    worker, kv, names, chunks, saved, load, device: str, torch, layer_load_s: float
+) -> dict:  # type: ignore[no-untyped-def]
+    """What a forward pass feels of the connector, with a stand-in for each layer's compute
+    (matrix products on the forward stream, sized to take about as long as a layer's load):
+    - loads: all layers loaded, then computed, against each layer computed as soon as it
+      is loaded (wait_for_layer), as vLLM runs them; the second must overlap (ratio < 1)
+      and still deliver every byte;
+    - saves: a step that saves every layer (save_layer, end_step), against the same step
+      without saves; saves are queued, never waited for (ratio near 1).
+    Timings are reported, never judged: they depend on the drive of the day."""
+    from kvlab_connector.scheduler import ChunkIO, StepMetadata
+
+    half = kv[names[0]].shape[1] // 2
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = 4096 if device == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def layer_compute(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, b)
+
+    def timed(fn) -> float:  # type: ignore[no-untyped-def]
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    # Size each layer's compute to about one layer's share of a warm load.
+    one = min(timed(lambda: layer_compute(4)) for _ in range(3)) / 4
+    k = max(1, round(layer_load_s / one))
+
+    def compute_all() -> None:
+        for _ in names:
+            layer_compute(k)
+
+    def load_then_compute() -> None:
+        load(chunks)
+        compute_all()
+
+    def overlapped() -> None:
+        for t in kv.values():
+            t[:, half:].zero_()
+        targets = [ChunkIO(c.key, [x + half for x in c.block_ids]) for c in chunks]
+        worker.start_load(StepMetadata(loads=targets))
+        for name in names:
+            worker.wait_for_layer(name)
+            layer_compute(k)
+        worker.take_load_errors()
+
+    compute_s = min(timed(compute_all) for _ in range(3))
+    sequential_s = min(timed(load_then_compute) for _ in range(3))
+    overlapped_s = min(timed(overlapped) for _ in range(3))
+    same = all(torch.equal(kv[name][:, half:], saved[name]) for name in names)
+
+    def step_with_saves(r: int) -> float:
+        meta = StepMetadata(
+            saves=[ChunkIO(key_of(90_000 + 100 * r + i), c.block_ids) for i, c in enumerate(chunks)]
+        )
+        written = worker.store.stats.objects_written
+
+        def step() -> None:
+            for name in names:
+                layer_compute(k)
+                worker.save_layer(name, kv[name], meta)
+            worker.end_step()
+
+        seconds = timed(step)
+        deadline = time.monotonic() + 120  # the next step starts with the ring free again
+        while worker.store.stats.objects_written < written + len(chunks) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return seconds
+
+    saving_s = min(step_with_saves(r) for r in range(3))
+    return {
+        "byte_for_byte": same,
+        "matmuls_per_layer": k,
+        "compute_s": round(compute_s, 4),
+        "load_then_compute_s": round(sequential_s, 4),
+        "overlapped_s": round(overlapped_s, 4),
+        "overlap_ratio": round(overlapped_s / sequential_s, 3),
+        "step_with_saves_s": round(saving_s, 4),
+        "save_slowdown": round(saving_s / compute_s, 3),
     }
 
 
@@ -475,7 +568,12 @@ def main(argv: list[str] | None = None) -> int:
             f"(cold: {e['cold_save_gbps']}, {e['cold_load_gbps']}), byte for byte: "
             f"{'yes' if e['byte_for_byte'] else 'NO'}, load errors {e['load_errors']}, saves dropped "
             f"{e['saves_dropped']}, a damaged object is a load error: "
-            f"{'yes' if e['damaged_object_is_load_error'] else 'NO'}"
+            f"{'yes' if e['damaged_object_is_load_error'] else 'NO'}\n"
+            f"    with compute ({e['overlap']['matmuls_per_layer']} matmuls per layer): loads overlapped "
+            f"{e['overlap']['overlapped_s']} s vs load then compute {e['overlap']['load_then_compute_s']} s "
+            f"(ratio {e['overlap']['overlap_ratio']}); a step that saves every layer "
+            f"{e['overlap']['step_with_saves_s']} s vs {e['overlap']['compute_s']} s without "
+            f"(ratio {e['overlap']['save_slowdown']})"
         )
     print(f"  {report['seconds']} s")
     line = json.dumps(report, sort_keys=True)

@@ -59,6 +59,8 @@ def test_gpu_check_dry_run_restores_byte_for_byte(tmp_path: Path) -> None:
         assert e["byte_for_byte"] and e["load_errors"] == 0 and e["saves_dropped"] == 0
         assert e["objects_written"] > 0 and e["rounds"] == 2
         assert e["damaged_object_is_load_error"] is True
+        overlap = e["overlap"]  # timings are reported, not judged; that they ran is
+        assert overlap["matmuls_per_layer"] >= 1 and overlap["overlapped_s"] > 0 and overlap["save_slowdown"] > 0
     assert report["damaged_section"] == {"failed_sections": [1], "others_byte_for_byte": True}
 
 
