@@ -9,8 +9,9 @@
    same objects for a third number.
 2. Engine: the connector's worker side, as a GPU engine drives it (vLLM's GPU KV layout,
    copies on CUDA streams), saves chunks and loads them back into other blocks, byte for
-   byte, once through GDS (io_engine auto) and once through the page-locked host ring
-   (io_engine posix).
+   byte, once through kvikio (io_engine gds) and once through the page-locked host ring
+   (io_engine posix); io_engine auto must choose GDS where nvidia-fs is loaded and the
+   host ring where it is not.
 Prints a summary and one JSON line; writes the JSON to --out (or $OUT/gpu-check.json).
 
 Exit status: 0 verified, 1 a byte or checksum differs, 2 no usable GPU or store folder.
@@ -319,6 +320,25 @@ def overlap_with_compute(
     }
 
 
+def auto_choice(dirs: list[Path], device: str, torch) -> str:  # type: ignore[no-untyped-def]
+    """The I/O mode a GPU engine's connector picks with io_engine auto (probe, self-test)."""
+    from kvlab_connector.config import ConnectorConfig
+    from kvlab_connector.layout import Layout
+    from kvlab_connector.store import Store
+    from kvlab_connector.worker import WorkerSide
+
+    names = ("model.layers.0.self_attn.attn",)
+    block_bytes = 2 * 16 * 8 * 128 * 2
+    layout = Layout(names, 16, block_bytes, 256, "gpu-check", device, "gpu-check", 1, False)
+    config = ConnectorConfig.from_extra(
+        {"paths": [str(d / "engine-auto") for d in dirs], "ring_bytes": 16 << 20, "chunk_tokens": 256}
+    )
+    worker = WorkerSide(config, layout, Store(config.paths, 1 << 30), rank=0)
+    kv = {names[0]: torch.zeros(2, 32, 16, 8, 128, dtype=torch.bfloat16, device=device)}
+    worker.register_kv_caches(kv, 32)
+    return worker.io_mode
+
+
 def flip_byte(path: Path, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
@@ -451,12 +471,12 @@ def main(argv: list[str] | None = None) -> int:
         report |= {"cufile": {"probe": "skipped (--cpu-dry-run)"}, "kvikio": "none"}
         device_io = DeviceIO(PosixFile, "posix (dry run)")
     else:
-        os.environ.setdefault("KVIKIO_NTHREADS", str(args.threads))
         step("probing kvikio and cuFile (subprocess)")
         probe = probe_gds(60)  # a subprocess: a cuFile hang costs a timeout, not the check
         if not probe.usable:
             fail(2, f"kvikio cannot run here: {probe.reason}")
-        device_io = DeviceIO.kvikio(probe)  # compat mode switched on first where GDS is absent
+        # Compat mode switched on first where GDS is absent; kvikio's pool gets --threads.
+        device_io = DeviceIO.kvikio(probe, args.threads)
         import kvikio
         import kvikio.defaults
 
@@ -508,10 +528,13 @@ def main(argv: list[str] | None = None) -> int:
         step("one section damaged on the drive: its restore into device memory must fail, alone")
         damage = damaged_restore(store, shape, ns, keys[0], expected[: shape.n_sections], torch)
         engine = []
-        for io_engine in ("auto", "posix"):
+        # kvikio's path (io_engine gds; in a dry run auto with the POSIX stand-in), then
+        # the page-locked host ring.
+        for io_engine in ("auto" if dry else "gds", "posix"):
             step(f"engine round trip, io_engine {io_engine}")
             dev_io = device_io if dry and io_engine == "auto" else None
             engine.append(engine_round_trip(dirs, device, io_engine, dev_io, torch, args.engine_rounds))
+        auto_mode = None if dry else auto_choice(dirs, device, torch)
     finally:
         faulthandler.cancel_dump_traceback_later()
         store.close()
@@ -527,9 +550,11 @@ def main(argv: list[str] | None = None) -> int:
         for e in engine
     )
     damage_ok = damage["failed_sections"] == [1] and damage["others_byte_for_byte"]
-    # On a GPU, io_engine auto must have taken kvikio (its start-up self-test passed), not
-    # fallen back to the host ring.
-    auto_on_kvikio = dry or engine[0]["io_mode"] == report["io_mode"]
+    # On a GPU, io_engine gds must have run through kvikio (its start-up self-test passed),
+    # and auto must take GDS where nvidia-fs is loaded and the host ring where it is not.
+    kvikio_ran = dry or engine[0]["io_mode"] == report["io_mode"]
+    auto_ok = dry or (auto_mode == "gds" if report["io_mode"] == "gds" else str(auto_mode).endswith("+h2d"))
+    report["auto_io_mode"] = auto_mode
     report |= {
         "objects": n_objects,
         "bytes": total,
@@ -575,17 +600,28 @@ def main(argv: list[str] | None = None) -> int:
             f"{e['overlap']['step_with_saves_s']} s vs {e['overlap']['compute_s']} s without "
             f"(ratio {e['overlap']['save_slowdown']})"
         )
+    if not dry:
+        print(f"  io_engine auto chooses {auto_mode} here (kvikio's mode: {report['io_mode']})")
     print(f"  {report['seconds']} s")
     line = json.dumps(report, sort_keys=True)
     print(line)
     out = args.out or (Path(os.environ["OUT"]) / "gpu-check.json" if os.environ.get("OUT") else None)
     if out:
         out.write_text(line + "\n")
-    if not auto_on_kvikio:
-        print(
-            f"gpu-check: io_engine auto fell back to {engine[0]['io_mode']}: see the connector's warning above"
-        )
-    ok = same and same_copy and gpu_bad == 0 and posix_bad == 0 and engine_ok and damage_ok and auto_on_kvikio
+    if not kvikio_ran:
+        print(f"gpu-check: io_engine gds ran in {engine[0]['io_mode']}: see the connector's warning above")
+    if not auto_ok:
+        print(f"gpu-check: io_engine auto chose {auto_mode} where kvikio's mode is {report['io_mode']}")
+    ok = (
+        same
+        and same_copy
+        and gpu_bad == 0
+        and posix_bad == 0
+        and engine_ok
+        and damage_ok
+        and kvikio_ran
+        and auto_ok
+    )
     return 0 if ok else 1
 
 

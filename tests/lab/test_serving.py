@@ -134,8 +134,12 @@ def test_long_prompt_restored_after_engine_restart(gpu, lab, deployment):
     if kv.get("kv_connector") == "KvlabConnector":
         # The engine itself, not just gdscheck: kvlab's connector says how it moved the pages.
         modes = [line for line in after.splitlines() if line.startswith("kvlab_io_mode_info{") and not line.endswith(" 0.0")]
-        want = {"gds", "gds-compat"} if lab["gds_allow_compat_mode"] else {"gds"}
-        assert any(f'mode="{m}"' in line for line in modes for m in want), (
-            f"kvlab moved KV in {modes or 'no reported mode'}, not {sorted(want)}: kvikio is missing from "
-            "vLLM's environment, or GDS is not on for the store's mounts (see test_gds_on_not_compat)"
+        # Where the site allows compat mode (no nvidia-fs), io_engine auto stages KV in the
+        # page-locked host ring ("...+h2d") and io_engine gds in kvikio's compat mode.
+        used = [line.split('mode="', 1)[1].split('"', 1)[0] for line in modes]
+        compat = lab["gds_allow_compat_mode"]
+        assert any(m == "gds" or (compat and (m == "gds-compat" or m.endswith("+h2d"))) for m in used), (
+            f"kvlab moved KV in {used or 'no reported mode'}, not gds"
+            f"{' (or, compat mode allowed, gds-compat or the host ring)' if compat else ''}: kvikio is missing "
+            "from vLLM's environment, or GDS is not on for the store's mounts (see test_gds_on_not_compat)"
         )

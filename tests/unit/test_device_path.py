@@ -240,3 +240,15 @@ def test_device_io_self_test_refuses_a_device_checksum_the_host_would_not_match(
     monkeypatch.setattr(checksum, "wsum64_tensor", lambda t: real(t) ^ 1)
     why = DeviceIO(PosixFile, "posix-stand-in").self_test(torch.device("cpu"), [tmp_path])
     assert why is not None and why.startswith("wsum64 on cpu differs from wsum64 on the host")
+
+
+@pytest.mark.parametrize(
+    ("io_engine", "mode", "wanted"),
+    [("auto", "gds", True), ("gds", "gds", True), ("auto", "gds-compat", False), ("gds", "gds-compat", True),
+     ("auto", None, False), ("gds", None, False)],
+)
+def test_kvikio_carries_kv_with_nvidia_fs_or_when_asked_for(io_engine: str, mode: str | None, wanted: bool) -> None:
+    from kvlab_connector.io_gds import GdsProbe
+    from kvlab_connector.worker import kvikio_wanted
+
+    assert kvikio_wanted(io_engine, GdsProbe(mode, "test", {})) is wanted

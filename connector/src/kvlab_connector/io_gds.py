@@ -112,15 +112,26 @@ class DeviceIO:
         self.mode = mode
 
     @classmethod
-    def kvikio(cls, probe: GdsProbe) -> DeviceIO:
+    def kvikio(cls, probe: GdsProbe, threads: int = 8) -> DeviceIO:
         """kvikio in the mode the probe found. Without nvidia-fs, compat mode is switched on
-        before kvikio loads, so it never opens the cuFile driver (which can hang)."""
+        before kvikio loads, so it never opens the cuFile driver (which can hang).
+
+        kvikio runs every request of 1 MiB or more on its own thread pool, one thread
+        unless told otherwise: the store's I/O threads would all wait on that one. The pool
+        gets at least `threads` (the connector's io_threads)."""
         if probe.mode is None:
             raise RuntimeError(f"no GDS engine: {probe.reason}")
         if probe.mode != "gds":
             os.environ["KVIKIO_COMPAT_MODE"] = "ON"
+        os.environ.setdefault("KVIKIO_NTHREADS", str(threads))
         import kvikio
+        import kvikio.defaults
 
+        try:
+            if int(kvikio.defaults.get("num_threads")) < threads:  # loaded earlier, with fewer
+                kvikio.defaults.set("num_threads", threads)
+        except (AttributeError, TypeError, ValueError):
+            pass  # a kvikio without this setting keeps its own; KVIKIO_NTHREADS was set above
         return cls(kvikio.CuFile, probe.mode)
 
     def open(self, path: str | os.PathLike, flags: str) -> Any:

@@ -35,7 +35,7 @@ import torch
 
 from kvlab_connector import metrics
 from kvlab_connector.config import ConnectorConfig
-from kvlab_connector.io_gds import DeviceIO, side_stream
+from kvlab_connector.io_gds import DeviceIO, GdsProbe, side_stream
 from kvlab_connector.io_posix import spread_over_process_cpus
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import DeviceRing, RingFull, StagingRing
@@ -100,6 +100,13 @@ class _Load:
             self.cancelled = True
             while self.copying:
                 self.lock.wait()
+
+
+def kvikio_wanted(io_engine: str, probe: GdsProbe) -> bool:
+    """Whether a GPU engine moves KV through kvikio: where nvidia-fs is loaded (io_engine auto
+    or gds), or in kvikio's compat mode when asked for (gds). WorkerSide._choose_gpu_io says
+    why auto leaves compat mode alone."""
+    return probe.usable and (probe.mode == "gds" or io_engine == "gds")
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -204,16 +211,26 @@ class WorkerSide:
             m["io_mode"].labels(mode=self.io_mode).set(1)
 
     def _choose_gpu_io(self, device: torch.device) -> None:
-        """GPU engines: GDS through kvikio where it loads (io_engine auto or gds), else the
-        page-locked host ring (io_engine posix, or auto without kvikio)."""
+        """GPU engines: GDS through kvikio where nvidia-fs is loaded (io_engine auto or gds)
+        or where asked for (gds: kvikio's compat mode without nvidia-fs), else the
+        page-locked host ring.
+
+        auto skips kvikio's compat mode: it bounces through page-locked host memory just as
+        the host ring does, but copies on CUDA streams that kvikio creates blocking, which
+        wait for the work queued on the default stream (the forward pass, unless the engine
+        moved it): loads overlap compute less. On an H200 (make gpu-check) the host ring
+        loaded and saved faster and overlapped more."""
         from kvlab_connector.io_gds import probe_gds
 
         if self.config.io_engine != "posix":
             gds = probe_gds()
             log.info("kvlab connector: GDS probe: %s", gds.reason)
             why = gds.reason
-            if gds.usable:
-                device_io = DeviceIO.kvikio(gds)
+            if gds.usable and not kvikio_wanted(self.config.io_engine, gds):
+                log.info("kvlab connector: no nvidia-fs: KV goes through the page-locked host ring "
+                         "(io_engine 'gds' takes kvikio's compat mode instead)")
+            elif gds.usable:
+                device_io = DeviceIO.kvikio(gds, self.config.io_threads)
                 failed = device_io.self_test(device, self.store.drives)
                 if failed is None:
                     self.use_device_io(device_io, device)
