@@ -484,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
             "cufile": probe.detail | {"reason": probe.reason},
             "kvikio": kvikio.__version__,
             "compat_mode_setting": str(kvikio.defaults.get("compat_mode")),
+            "kvikio_threads": int(kvikio.defaults.get("num_threads")),
         }
     report["io_mode"] = device_io.mode
 

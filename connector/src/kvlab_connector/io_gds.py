@@ -130,7 +130,7 @@ class DeviceIO:
         try:
             if int(kvikio.defaults.get("num_threads")) < threads:  # loaded earlier, with fewer
                 kvikio.defaults.set("num_threads", threads)
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, KeyError, TypeError, ValueError):
             pass  # a kvikio without this setting keeps its own; KVIKIO_NTHREADS was set above
         return cls(kvikio.CuFile, probe.mode)
 
