@@ -55,6 +55,13 @@ def source_commit() -> str:
         return os.environ.get("KVLAB_SOURCE_COMMIT", "unknown (no git checkout)")
 
 
+def kvikio_setting(kvikio, name: str) -> object:  # type: ignore[no-untyped-def]
+    try:
+        return kvikio.defaults.get(name)
+    except Exception as e:  # a setting this kvikio does not have: say so, the check goes on
+        return f"unknown ({type(e).__name__}: {e})"
+
+
 def fail(code: int, msg: str) -> None:
     print(f"gpu-check: {msg}", file=sys.stderr)
     sys.exit(code)
@@ -484,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
             "cufile": probe.detail | {"reason": probe.reason},
             "kvikio": kvikio.__version__,
             "compat_mode_setting": str(kvikio.defaults.get("compat_mode")),
-            "kvikio_threads": int(kvikio.defaults.get("num_threads")),
+            "kvikio_threads": kvikio_setting(kvikio, "num_threads"),
         }
     report["io_mode"] = device_io.mode
 
