@@ -134,6 +134,50 @@ def restore_device(store, shape, ns: str, keys: list[str], dst) -> tuple[float, 
     return seconds, bad
 
 
+# The paged KV cache gpu-check's engines use: vLLM's GPU layout, bf16, 16-token blocks of
+# 8 KV heads x head dim 128, 256-token chunks.
+BLOCK_TOKENS, KV_HEADS, HEAD_DIM, CHUNK_TOKENS = 16, 8, 128, 256
+BLOCK_BYTES = 2 * BLOCK_TOKENS * KV_HEADS * HEAD_DIM * 2  # K and V, bf16
+
+
+def gpu_worker(
+    dirs: list[Path], device: str, io_engine: str, layers: int, blocks: int, ring_bytes: int, torch
+):  # type: ignore[no-untyped-def]
+    """The connector's worker side as a GPU engine sets it up, without vLLM: its KV cache
+    registered (which picks the I/O path: probe, self-test), stores under dirs/engine-<io_engine>.
+    Returns the worker, the KV cache by layer name, and the layer names."""
+    from kvlab_connector.config import ConnectorConfig
+    from kvlab_connector.layout import Layout
+    from kvlab_connector.store import Store
+    from kvlab_connector.worker import WorkerSide
+
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
+    layout = Layout(
+        names, BLOCK_TOKENS, BLOCK_BYTES, CHUNK_TOKENS, "gpu-check", device, "gpu-check", 1, False
+    )
+    config = ConnectorConfig.from_extra(
+        {
+            "paths": [str(d / f"engine-{io_engine}") for d in dirs],
+            "ring_bytes": ring_bytes,
+            "chunk_tokens": CHUNK_TOKENS,
+            "io_engine": io_engine,
+        }
+    )
+    worker = WorkerSide(config, layout, Store(config.paths, 4 << 30), rank=0)
+    shape = (2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD_DIM)
+    kv = {n: torch.zeros(shape, dtype=torch.bfloat16, device=device) for n in names}
+    worker.register_kv_caches(kv, blocks)
+    return worker, kv, names
+
+
+def wait_written(worker, objects: int, timeout_s: float = 120) -> None:  # type: ignore[no-untyped-def]
+    """Until the store has committed `objects` objects in all (saves are never waited for
+    by the engine; the check waits so that the next step starts with the ring free)."""
+    deadline = time.monotonic() + timeout_s
+    while worker.store.stats.objects_written < objects and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, torch, rounds: int) -> dict:  # type: ignore[no-untyped-def]
     """The connector's worker side as a GPU engine runs it, without vLLM: a paged KV cache
     in vLLM's GPU layout ([2, blocks, block size, KV heads, head dim] per layer), chunks
@@ -141,35 +185,21 @@ def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, 
     chunks loaded into other blocks layer by layer; every byte compared. The first round
     pays for the I/O threads' first CUDA calls and is reported apart (cold). Last, one
     saved object is damaged on the drive: its load must be an error, the others intact."""
-    from kvlab_connector.config import ConnectorConfig
-    from kvlab_connector.layout import Layout
     from kvlab_connector.scheduler import ChunkIO, StepMetadata
-    from kvlab_connector.store import Store
-    from kvlab_connector.worker import WorkerSide
 
-    layers, blocks, bs, heads, hd, chunk = 8, 256, 16, 8, 128, 256
-    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
-    block_bytes = 2 * bs * heads * hd * 2  # K and V, bf16
-    layout = Layout(names, bs, block_bytes, chunk, "gpu-check", device, "gpu-check", 1, False)
-    per, half = chunk // bs, blocks // 2
+    layers, blocks = 8, 256
+    per, half = CHUNK_TOKENS // BLOCK_TOKENS, blocks // 2
     n_chunks = half // per
-    config = ConnectorConfig.from_extra(
-        {
-            "paths": [str(d / f"engine-{io_engine}") for d in dirs],
-            "ring_bytes": 2 * n_chunks * layers * (per * block_bytes + (64 << 10)),  # a step's saves, twice
-            "chunk_tokens": chunk,
-            "io_engine": io_engine,
-        }
-    )
-    worker = WorkerSide(config, layout, Store(config.paths, 4 << 30), rank=0)
+    ring_bytes = 2 * n_chunks * layers * (per * BLOCK_BYTES + (64 << 10))  # a step's saves, twice
+    worker, kv, names = gpu_worker(dirs, device, io_engine, layers, blocks, ring_bytes, torch)
     gen = torch.Generator(device=device).manual_seed(7)
-    kv = {n: torch.empty(2, blocks, bs, heads, hd, dtype=torch.bfloat16, device=device) for n in names}
-    worker.register_kv_caches(kv, blocks)
     if device_io is not None:  # --cpu-dry-run: the device path on CPU tensors
         worker.use_device_io(device_io, torch.device(device))
-    moved = n_chunks * layers * per * block_bytes
+    moved = n_chunks * layers * per * BLOCK_BYTES
 
-    def load(chunks: list) -> tuple[float, set]:  # type: ignore[type-arg]
+    def load(chunks: list, after_layer=None) -> tuple[float, set]:  # type: ignore[no-untyped-def,type-arg]
+        """The chunks loaded into the second half of the blocks, layer by layer; after_layer()
+        runs as soon as each layer is ready (as a forward pass computes it)."""
         for t in kv.values():
             t[:, half:].zero_()
         targets = [ChunkIO(c.key, [b + half for b in c.block_ids]) for c in chunks]
@@ -177,6 +207,8 @@ def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, 
         worker.start_load(StepMetadata(loads=targets))
         for n in names:
             worker.wait_for_layer(n)
+            if after_layer is not None:
+                after_layer()
         errors = worker.take_load_errors()
         sync()
         return time.perf_counter() - t0, errors
@@ -196,9 +228,7 @@ def engine_round_trip(dirs: list[Path], device: str, io_engine: str, device_io, 
         for n, t in kv.items():
             worker.save_layer(n, t, meta)
         worker.end_step()
-        deadline = time.monotonic() + 120
-        while worker.store.stats.objects_written < written + n_chunks and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_written(worker, written + n_chunks)
         save_s = time.perf_counter() - t0
         load_s, errors = load(chunks)
         load_errors += len(errors)
@@ -282,14 +312,7 @@ def overlap_with_compute(
         compute_all()
 
     def overlapped() -> None:
-        for t in kv.values():
-            t[:, half:].zero_()
-        targets = [ChunkIO(c.key, [x + half for x in c.block_ids]) for c in chunks]
-        worker.start_load(StepMetadata(loads=targets))
-        for name in names:
-            worker.wait_for_layer(name)
-            layer_compute(k)
-        worker.take_load_errors()
+        load(chunks, after_layer=lambda: layer_compute(k))
 
     compute_s = min(timed(compute_all) for _ in range(3))
     sequential_s = min(timed(load_then_compute) for _ in range(3))
@@ -309,9 +332,7 @@ def overlap_with_compute(
             worker.end_step()
 
         seconds = timed(step)
-        deadline = time.monotonic() + 120  # the next step starts with the ring free again
-        while worker.store.stats.objects_written < written + len(chunks) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_written(worker, written + len(chunks))
         return seconds
 
     saving_s = min(step_with_saves(r) for r in range(3))
@@ -329,20 +350,7 @@ def overlap_with_compute(
 
 def auto_choice(dirs: list[Path], device: str, torch) -> str:  # type: ignore[no-untyped-def]
     """The I/O mode a GPU engine's connector picks with io_engine auto (probe, self-test)."""
-    from kvlab_connector.config import ConnectorConfig
-    from kvlab_connector.layout import Layout
-    from kvlab_connector.store import Store
-    from kvlab_connector.worker import WorkerSide
-
-    names = ("model.layers.0.self_attn.attn",)
-    block_bytes = 2 * 16 * 8 * 128 * 2
-    layout = Layout(names, 16, block_bytes, 256, "gpu-check", device, "gpu-check", 1, False)
-    config = ConnectorConfig.from_extra(
-        {"paths": [str(d / "engine-auto") for d in dirs], "ring_bytes": 16 << 20, "chunk_tokens": 256}
-    )
-    worker = WorkerSide(config, layout, Store(config.paths, 1 << 30), rank=0)
-    kv = {names[0]: torch.zeros(2, 32, 16, 8, 128, dtype=torch.bfloat16, device=device)}
-    worker.register_kv_caches(kv, 32)
+    worker, _, _ = gpu_worker(dirs, device, "auto", layers=1, blocks=32, ring_bytes=16 << 20, torch=torch)
     return worker.io_mode
 
 
@@ -450,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
         help="past this, print every thread's stack and exit (a hung cuFile call or stream is named)",
     )
     args = ap.parse_args(argv)
-    t_start = time.perf_counter()
     faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
 
     try:
@@ -579,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         "pinned_copy_byte_for_byte": same_copy,
         "engine": engine,
         "damaged_section": damage,
-        "seconds": round(time.perf_counter() - t_start, 1),
+        "seconds": round(time.perf_counter() - T0, 1),
     }
     print(
         f"gpu-check on {report['gpu']}: {n_objects} objects, {total / 2**30:.2f} GiB, kvikio {report['kvikio']} "

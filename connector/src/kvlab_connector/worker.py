@@ -226,10 +226,7 @@ class WorkerSide:
             gds = probe_gds()
             log.info("kvlab connector: GDS probe: %s", gds.reason)
             why = gds.reason
-            if gds.usable and not kvikio_wanted(self.config.io_engine, gds):
-                log.info("kvlab connector: no nvidia-fs: KV goes through the page-locked host ring "
-                         "(io_engine 'gds' takes kvikio's compat mode instead)")
-            elif gds.usable:
+            if kvikio_wanted(self.config.io_engine, gds):
                 device_io = DeviceIO.kvikio(gds, self.config.io_threads)
                 failed = device_io.self_test(device, self.store.drives)
                 if failed is None:
@@ -237,6 +234,9 @@ class WorkerSide:
                     return
                 why = f"the {gds.mode} self-test failed: {failed}"
                 log.warning("kvlab connector: %s", why)
+            elif gds.usable:
+                log.info("kvlab connector: no nvidia-fs: KV goes through the page-locked host ring "
+                         "(io_engine 'gds' takes kvikio's compat mode instead)")
             if self.config.io_engine == "gds":
                 raise RuntimeError(
                     f"kvlab connector: io_engine 'gds' but kvikio cannot move KV here ({why}); "
