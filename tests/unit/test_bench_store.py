@@ -27,4 +27,7 @@ def test_ratios_pair_the_store_with_fios_best_job_of_the_same_repeat(tmp_path: P
         assert raw[f"{rw}_ratio"] == [s / f for s, f in zip(store, fio[best], strict=True)]
         assert res[f"{rw}_ratio"] == statistics.median(raw[f"{rw}_ratio"]) > 0
     assert res["index_rebuild_objects"] == 500 and res["index_rebuild_s_100k"] > 0
+    # Every repeat runs every job, each in another order: no job always follows the same one.
+    assert all(sorted(order) == ["fio-1M", "fio-4M", "store"] for order in raw["order"])
+    assert len({tuple(order) for order in raw["order"]}) == 3
     assert res["fio_jobs"]["write-4M"]["direct"] == 1 and res["fio_jobs"]["read-1M"]["iodepth"] == 32
