@@ -63,6 +63,7 @@ def test_fingerprint_follows_the_weights_not_the_path(tmp_path) -> None:  # type
         ({"paths": ["/a"], "load_timeout_s": -2}, "load_timeout_s"),
         ({"paths": ["/a"], "io_engine": "spdk"}, "io_engine"),
         ({"paths": ["/a"], "metrics_port": 70000}, "metrics_port"),
+        ({"paths": ["/a"], "io_threads": 0}, "io_threads"),
     ],
 )
 def test_bad_config_names_the_field(extra: dict, named: str) -> None:

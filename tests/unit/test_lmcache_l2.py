@@ -262,6 +262,8 @@ def test_bad_params_name_the_field() -> None:
         KvlabL2AdapterConfig.from_dict({"paths": ["/x"]})
     with pytest.raises(ValueError, match="section_bytes"):
         KvlabL2AdapterConfig.from_dict({"paths": ["/x"], "capacity_bytes": 1, "section_bytes": 1000})
+    with pytest.raises(ValueError, match="io_threads"):
+        KvlabL2AdapterConfig.from_dict({"paths": ["/x"], "capacity_bytes": 1, "io_threads": "8"})
 
 
 def test_lmcache_loads_it_as_a_plugin(drives: list[Path]) -> None:

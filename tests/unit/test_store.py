@@ -70,6 +70,18 @@ def test_round_trip(tmp_path: Path, ring: StagingRing) -> None:
     assert not store.exists(NS, key(2), SHAPE)
 
 
+def test_requests_in_flight_grow_with_the_drives(tmp_path: Path) -> None:
+    from kvlab_connector.store import IO_THREADS_PER_DRIVE
+
+    paths = [tmp_path / f"d{i}" for i in range(3)]
+    for io_threads, expected in ((None, 3 * IO_THREADS_PER_DRIVE), (5, 5)):
+        store = Store(paths, capacity_bytes=1 << 30, io_threads=io_threads)
+        try:
+            assert store.engine.threads == expected
+        finally:
+            store.close()
+
+
 def test_sections_are_striped_over_every_drive(tmp_path: Path, ring: StagingRing) -> None:
     drives = [tmp_path / f"d{i}" for i in range(3)]
     store = Store(drives, capacity_bytes=1 << 30)

@@ -19,7 +19,7 @@ class ConnectorConfig:
     capacity_bytes: int = 64 << 30
     ring_bytes: int = 256 << 20
     chunk_tokens: int = 512
-    io_threads: int = 8
+    io_threads: int | None = None  # None: 8 per drive (store.IO_THREADS_PER_DRIVE)
     load_timeout_s: float = 30.0
     # How long a save may wait for a ring slot before it is dropped: 0 means never wait,
     # so generation never waits on the drives.

@@ -57,7 +57,7 @@ class KvlabL2AdapterConfig(L2AdapterConfigBase):
         capacity_bytes: int,
         ring_bytes: int = 64 << 20,
         section_bytes: int = 1 << 20,
-        io_threads: int = 8,
+        io_threads: int | None = None,
         o_direct: bool | None = None,
         slot_timeout_s: float = 30.0,
     ):
@@ -97,7 +97,7 @@ class KvlabL2AdapterConfig(L2AdapterConfigBase):
             raise ValueError("kvlab L2 adapter: 'o_direct' must be true, false or absent (auto)")
         return cls(
             paths=list(paths), capacity_bytes=capacity, ring_bytes=ring, section_bytes=section,
-            io_threads=int(d.get("io_threads", 8)), o_direct=o_direct,
+            io_threads=_positive_int_or_none(d, "io_threads"), o_direct=o_direct,
             slot_timeout_s=float(d.get("slot_timeout_s", 30.0)),
         )
 
@@ -109,9 +109,16 @@ class KvlabL2AdapterConfig(L2AdapterConfigBase):
             "- capacity_bytes (int) or capacity_gb (float): the store's bound; LRU eviction (required)\n"
             "- ring_bytes (int): host staging ring, the only host memory KV passes through (64 MiB)\n"
             "- section_bytes (int): I/O size an object is cut into (1 MiB, a multiple of 4096)\n"
-            "- io_threads (int): I/Os in flight (8)\n"
+            "- io_threads (int): I/Os in flight over all drives (8 per drive)\n"
             "- o_direct (bool): force O_DIRECT on or off (default: where the filesystem supports it)"
         )
+
+
+def _positive_int_or_none(d: dict, name: str) -> int | None:
+    v = d.get(name)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+        raise ValueError(f"kvlab L2 adapter: '{name}' must be a positive integer or absent, got {v!r}")
+    return v
 
 
 def store_key(key: Any) -> str:

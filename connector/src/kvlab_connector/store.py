@@ -58,6 +58,10 @@ _TRAILER_CHECK = struct.Struct("<Q")
 _FRAGMENT_RE = re.compile(r"^([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)$")
 _TMP_RE = re.compile(r"^\.([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+\.tmp$")
 LOW_WATER = 0.9  # eviction frees down to this share of the capacity
+# I/O threads per drive when none are configured: each thread keeps one request in flight,
+# and 8 on one drive reached fio's queue-depth-32 read limit here. A store striped over
+# more drives gets as many per drive, so adding drives adds requests in flight.
+IO_THREADS_PER_DRIVE = 8
 # The size a read request aims at on one drive: adjacent sections of a fragment file are
 # read together up to it (one 1 MiB request per section reached ~0.6-0.8 of what 2 MiB
 # requests did on this project's drives; 4 MiB gave nothing more).
@@ -119,13 +123,15 @@ class ScanResult:
 
 
 class Store:
-    """The drives of one store; thread-safe; any number of processes may share it."""
+    """The drives of one store; thread-safe; any number of processes may share it.
+
+    `io_threads`: requests in flight over all drives (None: IO_THREADS_PER_DRIVE each)."""
 
     def __init__(
         self,
         paths: Sequence[str | os.PathLike],
         capacity_bytes: int,
-        io_threads: int = 8,
+        io_threads: int | None = None,
         o_direct: bool | None = None,
         engine: PosixEngine | None = None,
     ):
@@ -139,7 +145,7 @@ class Store:
             self.o_direct = [supports_o_direct(d) for d in self.drives]
         else:
             self.o_direct = [o_direct] * len(self.drives)
-        self.engine = engine or PosixEngine(io_threads)
+        self.engine = engine or PosixEngine(io_threads or IO_THREADS_PER_DRIVE * len(self.drives))
         self.stats = StoreStats()
         self._lock = threading.Lock()
         self._meta = self.drives[0] / ".meta"

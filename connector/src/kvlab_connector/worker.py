@@ -227,7 +227,7 @@ class WorkerSide:
             log.info("kvlab connector: GDS probe: %s", gds.reason)
             why = gds.reason
             if kvikio_wanted(self.config.io_engine, gds):
-                device_io = DeviceIO.kvikio(gds, self.config.io_threads)
+                device_io = DeviceIO.kvikio(gds, self.store.engine.threads)
                 failed = device_io.self_test(device, self.store.drives)
                 if failed is None:
                     self.use_device_io(device_io, device)
