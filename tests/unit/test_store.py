@@ -249,6 +249,32 @@ def test_unmounted_loop_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> No
     assert get(store, ring, 1) == [None] * 4
 
 
+def test_a_full_drive_lowers_the_bound_and_saves_go_on(tmp_path: Path, ring: StagingRing) -> None:
+    img, mnt = tmp_path / "small.img", tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["truncate", "-s", "16M", str(img)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
+    if subprocess.run(["mount", "-o", "loop", str(img), str(mnt)]).returncode != 0:
+        pytest.skip("this kernel refuses loop mounts here")
+    try:
+        store = Store([mnt], capacity_bytes=1 << 30)  # a bound far beyond what the drive holds
+        n = 3 * (16 << 20) // SHAPE.object_bytes
+        saved = [put(store, ring, i) for i in range(n)]
+        full_at = saved.index(False)
+        assert store.stats.out_of_space >= 1 and store.capacity_bytes < 16 << 20
+        after = saved[full_at + 1:]
+        assert len(after) - sum(after) <= 4, "saves go on once the bound came down"
+        assert not list(mnt.rglob("*.tmp")), "a failed write leaves nothing behind"
+        for i in range(n):  # each object is whole or a miss, never other bytes
+            got = get(store, ring, i)
+            assert got == [None] * SHAPE.n_sections or got == [payload(i, s) for s in range(SHAPE.n_sections)]
+        newest = max(i for i, ok in enumerate(saved) if ok)
+        assert get(store, ring, newest) == [payload(newest, s) for s in range(SHAPE.n_sections)]
+        store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
 def test_capacity_bound_holds_under_ten_times_the_working_set(tmp_path: Path, ring: StagingRing) -> None:
     capacity = 10 * SHAPE.object_bytes
     store = Store([tmp_path / "d0", tmp_path / "d1"], capacity_bytes=capacity)

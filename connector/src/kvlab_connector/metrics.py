@@ -35,6 +35,7 @@ def metrics() -> dict[str, Any] | None:
             "load_errors": Counter("kvlab_load_error_blocks", "blocks reported to vLLM for recompute"),
             "checksum_failures": Counter("kvlab_checksum_failures", "sections that failed verification"),
             "evictions": Counter("kvlab_evictions", "objects evicted to hold the capacity"),
+            "out_of_space": Counter("kvlab_out_of_space", "drives found full below the capacity bound"),
             "io_latency": Histogram(
                 "kvlab_io_latency_seconds", "latency of one section's I/O",
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),

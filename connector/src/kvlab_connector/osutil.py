@@ -16,6 +16,25 @@ def drop_page_cache() -> bool:
         return False
 
 
+def syncfs(path: str | os.PathLike) -> bool:
+    """Commit the filesystem holding `path` (its journal included), and no other; False
+    where the call is missing or refused. Blocks a filesystem frees are reusable only once
+    the journal has committed their release (ext4, XFS)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except (OSError, AttributeError):
+        return False
+    try:
+        return bool(libc.syncfs(fd) == 0)
+    except AttributeError:
+        return False
+    finally:
+        os.close(fd)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this PID runs (one we may not signal counts; a zombie does not)."""
     try:

@@ -20,13 +20,16 @@ truncated, or failing its checksum is a miss, never KV.
 
 Capacity: a usage ledger beside the lock file of the first drive counts committed bytes;
 a commit that crosses the capacity evicts least-recently-used objects (file mtime, which
-reads refresh) under an flock, so several processes share one bound.
+reads refresh) under an flock, so several processes share one bound. A drive that fills up
+before the bound (other data on it, or a bound set too high) lowers the bound below what the
+drives hold, and evicts below that: saves go on, at the size the drives allow.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import re
 import struct
@@ -45,8 +48,10 @@ from kvlab_connector import metrics
 from kvlab_connector.checksum import wsum64, wsum64_tensor
 from kvlab_connector.io_gds import side_stream
 from kvlab_connector.io_posix import PosixEngine, pwritev_full, supports_o_direct
-from kvlab_connector.osutil import pid_alive
+from kvlab_connector.osutil import pid_alive, syncfs
 from kvlab_connector.ring import PAGE, align_up
+
+log = logging.getLogger("vllm.kvlab_connector")
 
 ROOT_NAME = "kvlab-v1"
 # The magic names the payload's checksum.
@@ -104,6 +109,7 @@ class StoreStats:
     evictions: int = 0
     evicted_bytes: int = 0
     writes_aborted: int = 0
+    out_of_space: int = 0  # times a drive was full below the capacity bound
     io_latency_s: list[float] = field(default_factory=list)
 
     def note_latency(self, s: float) -> None:
@@ -153,6 +159,7 @@ class Store:
         self._lock_path = self._meta / "lock"
         self._usage_path = self._meta / "usage"
         self._pending_bytes = 0
+        self._last_full = float("-inf")
         # GPU engines with GDS: sections move between drives and device memory through
         # this (io_gds.DeviceIO); None: host memory only.
         self.device_io: Any = None
@@ -431,6 +438,40 @@ class Store:
 
         self._with_lock(update)
 
+    def _on_full(self) -> None:
+        """A write found a drive full below the bound: the bound comes down to LOW_WATER of
+        what the drives hold now (the rest is headroom for writes in flight and the
+        ledger's slack), and eviction frees down to LOW_WATER of that, so that saves fit
+        (other processes sharing the store do the same when their writes fail). Runs on an
+        I/O thread; a burst of failed writes makes one eviction, not one each."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last_full < 1.0:
+                return
+            self._last_full = now
+            self.stats.out_of_space += 1
+        metrics.inc("out_of_space")
+
+        def shrink() -> None:
+            held = self._scan(clean=False).bytes
+            before = self.capacity_bytes
+            self.capacity_bytes = min(self.capacity_bytes, int(held * LOW_WATER))
+            self._write_usage(self._evict_locked(int(self.capacity_bytes * LOW_WATER)))
+            # The evicted files' blocks are free only once the filesystem commits: now,
+            # or the next writes would still find the drive full and lower the bound again.
+            for drive in self.drives:
+                syncfs(drive)
+            log.warning(
+                "kvlab store: a drive is full at %.2f GiB held (capacity_bytes %.2f GiB): the bound is now "
+                "%.2f GiB until restart; free space on the drives or lower capacity_bytes",
+                held / 2**30, before / 2**30, self.capacity_bytes / 2**30,
+            )
+
+        try:
+            self._with_lock(shrink)
+        except OSError:
+            pass  # the first drive itself refuses (its lock or ledger): the next failed write tries again
+
     def flush_usage(self) -> None:
         with self._lock:
             pending, self._pending_bytes = self._pending_bytes, 0
@@ -623,6 +664,7 @@ class ObjectWriter:
         self._queued: list[list[_QueuedWrite]] = [[] for _ in range(self.nfrag)]
         self._draining = [False] * self.nfrag
         self._failed = False
+        self._out_of_space = False
         self._closed = False
         self._lock = threading.Lock()
         self.done: Future[bool] = Future()
@@ -642,8 +684,11 @@ class ObjectWriter:
         # parallel, while writes that extend a file are serialized by the filesystem.
         try:
             os.posix_fallocate(fd, 0, self.store.fragment_bytes(self.key, self.shape, frag))
-        except OSError:
-            pass  # a filesystem without fallocate still takes the writes
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                os.close(fd)
+                raise
+            # a filesystem without fallocate still takes the writes
         with self._lock:
             if self._closed:  # closed meanwhile (a failed section elsewhere): not ours to keep
                 os.close(fd)
@@ -730,8 +775,10 @@ class ObjectWriter:
                     if self._device_files[frag] is None:
                         self._device_files[frag] = store.device_io.open(self.tmp[frag], "r+")
                     ok = store.device_io.pwrite(self._device_files[frag], slot, nbytes, offset) == nbytes
-            except Exception:  # an I/O error (or a device error): the object is not written
+            except Exception as e:  # an I/O error (or a device error): the object is not written
                 ok = False
+                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    self._out_of_space = True
             dt = time.perf_counter() - t0
             with store._lock:
                 store.stats.note_latency(dt)
@@ -792,6 +839,8 @@ class ObjectWriter:
             _unlink(str(p))
         with self.store._lock:
             self.store.stats.writes_aborted += 1
+        if self._out_of_space:
+            self.store._on_full()  # after this object's files are gone: they are not the store's
         if not self.done.done():
             self.done.set_result(False)
 

@@ -574,7 +574,7 @@ class WorkerSide:
             "write_s": s.write_s, "objects_written": s.objects_written,
             "checksum_failures": s.checksum_failures, "sections_failed": s.sections_failed,
             "saves_dropped": self.saves_dropped, "load_error_blocks": self.load_error_blocks,
-            "evictions": s.evictions,
+            "evictions": s.evictions, "out_of_space": s.out_of_space,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -589,6 +589,7 @@ class WorkerSide:
             "saves_dropped": self.saves_dropped,
             "writes_aborted": s.writes_aborted,
             "evictions": s.evictions,
+            "out_of_space": s.out_of_space,
             "ring_bytes": self.ring.ring_bytes if self.ring else 0,
             "ring_high_water_slots": self.ring.high_water if self.ring else 0,
         }
