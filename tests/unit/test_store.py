@@ -232,13 +232,19 @@ def test_vanished_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach and unmount a loop device")
-def test_unmounted_loop_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
+def loop_drive(tmp_path: Path, size: str) -> Path:
+    """A real ext4 filesystem of `size` on a loop device, mounted; the caller unmounts it."""
     img, mnt = tmp_path / "drive.img", tmp_path / "mnt"
     mnt.mkdir()
-    subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
+    subprocess.run(["truncate", "-s", size, str(img)], check=True)
     subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
     if subprocess.run(["mount", "-o", "loop", str(img), str(mnt)]).returncode != 0:
         pytest.skip("this kernel refuses loop mounts here")
+    return mnt
+
+
+def test_unmounted_loop_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
+    mnt = loop_drive(tmp_path, "64M")
     try:
         store = Store([tmp_path / "d0", mnt], capacity_bytes=1 << 30)
         assert put(store, ring, 1)
@@ -250,12 +256,7 @@ def test_unmounted_loop_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> No
 
 
 def test_a_full_drive_lowers_the_bound_and_saves_go_on(tmp_path: Path, ring: StagingRing) -> None:
-    img, mnt = tmp_path / "small.img", tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["truncate", "-s", "16M", str(img)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
-    if subprocess.run(["mount", "-o", "loop", str(img), str(mnt)]).returncode != 0:
-        pytest.skip("this kernel refuses loop mounts here")
+    mnt = loop_drive(tmp_path, "16M")
     try:
         store = Store([mnt], capacity_bytes=1 << 30)  # a bound far beyond what the drive holds
         n = 3 * (16 << 20) // SHAPE.object_bytes
