@@ -393,6 +393,7 @@ def test_store_bench_verifies_what_it_reads_back(tmp_path: Path) -> None:
 
     paths = [tmp_path / "a", tmp_path / "b"]
     run = run_store(paths, size_mib=32, section_mib=1, sections=8, ring_mib=8, threads=2, verify=True)
+    assert run.io_threads == 2
     assert run.verified is True and run.objects == 4 and run.bytes == 32 << 20
     assert run.read_gbps > 0 and run.write_gbps > 0 and run.paths == [str(p) for p in paths]
 

@@ -30,6 +30,7 @@ class StoreRun:
     verified: bool | None
     io_mode: str
     paths: list[str]  # the drives it ran on: a report names what it measured
+    io_threads: int
 
 
 def _key(i: int, salt: int) -> str:
@@ -44,7 +45,7 @@ def _pattern(i: int, s: int, n: int) -> np.ndarray:
 
 def run_store(
     paths: list[Path], size_mib: int = 1024, section_mib: int = 1, sections: int = 8,
-    ring_mib: int = 256, threads: int = 8, verify: bool = False, salt: int = 0,
+    ring_mib: int = 256, threads: int | None = None, verify: bool = False, salt: int = 0,
 ) -> StoreRun:
     """Write then read `size_mib` of objects; GB/s of each phase (1e9 bytes)."""
     shape = ObjectShape(n_sections=sections, section_bytes=section_mib << 20)
@@ -98,7 +99,7 @@ def run_store(
         if bad:
             raise RuntimeError(f"{bad} sections failed verification")
         return StoreRun(total / write_s / 1e9, total / read_s / 1e9, total, n_objects,
-                        True if verify else None, store.io_mode, [str(p) for p in paths])
+                        True if verify else None, store.io_mode, [str(p) for p in paths], store.engine.threads)
     finally:
         ring.close()
         store.close()

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="write then read objects through the store; GB/s")
     b.add_argument("--path", action="append", required=True, type=Path, help="a drive's directory (repeat per drive)")
     b.add_argument("--size-mib", type=int, default=1024)
-    b.add_argument("--threads", type=int, default=8)
+    b.add_argument("--threads", type=int, default=None, help="I/O threads over all drives (default: 8 per drive)")
     b.add_argument("--ring-mib", type=int, default=256)
     b.add_argument("--verify", action="store_true", help="compare every byte read with what was written")
     b.add_argument("--json", action="store_true")
