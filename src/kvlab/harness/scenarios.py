@@ -33,10 +33,13 @@ VLLM_COUNTERS = {
     "external_queries": "vllm:external_prefix_cache_queries",
     "external_hits": "vllm:external_prefix_cache_hits",
 }
-# kvlab's connector (metrics_port): bytes moved and where pages came from.
+# kvlab's connector (metrics_port): bytes moved, where pages came from, and what the store
+# refused or discarded on the way (a result shows it ran clean, or why not).
 CONNECTOR_COUNTERS = {"read_bytes": "kvlab_read_bytes", "written_bytes": "kvlab_written_bytes",
                       "hit_tokens": "kvlab_hit_tokens", "saves_dropped": "kvlab_saves_dropped",
-                      "load_error_blocks": "kvlab_load_error_blocks"}
+                      "load_error_blocks": "kvlab_load_error_blocks",
+                      "checksum_failures": "kvlab_checksum_failures", "evictions": "kvlab_evictions",
+                      "out_of_space": "kvlab_out_of_space"}
 
 
 @dataclass(frozen=True)
