@@ -63,6 +63,7 @@ _TRAILER_CHECK = struct.Struct("<Q")
 _FRAGMENT_RE = re.compile(r"^([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)$")
 _TMP_RE = re.compile(r"^\.([0-9a-f]{32})\.(\d+)-(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+\.tmp$")
 LOW_WATER = 0.9  # eviction frees down to this share of the capacity
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full drive, or the store's user's quota
 # I/O threads per drive when none are configured: each thread keeps one request in flight,
 # and 8 on one drive reached fio's queue-depth-32 read limit here. A store striped over
 # more drives gets as many per drive, so adding drives adds requests in flight.
@@ -685,7 +686,7 @@ class ObjectWriter:
         try:
             os.posix_fallocate(fd, 0, self.store.fragment_bytes(self.key, self.shape, frag))
         except OSError as e:
-            if e.errno == errno.ENOSPC:
+            if e.errno in _NO_SPACE:
                 os.close(fd)
                 raise
             # a filesystem without fallocate still takes the writes
@@ -777,7 +778,7 @@ class ObjectWriter:
                     ok = store.device_io.pwrite(self._device_files[frag], slot, nbytes, offset) == nbytes
             except Exception as e:  # an I/O error (or a device error): the object is not written
                 ok = False
-                if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                if isinstance(e, OSError) and e.errno in _NO_SPACE:
                     self._out_of_space = True
             dt = time.perf_counter() - t0
             with store._lock:
@@ -840,7 +841,12 @@ class ObjectWriter:
         with self.store._lock:
             self.store.stats.writes_aborted += 1
         if self._out_of_space:
-            self.store._on_full()  # after this object's files are gone: they are not the store's
+            # After this object's files are gone (they are not the store's), and on an I/O
+            # thread: an abort() can bring us here on the engine's own thread.
+            try:
+                self.store.engine.submit(self.store._on_full)
+            except RuntimeError:
+                pass  # the store is closing: its bound no longer matters
         if not self.done.done():
             self.done.set_result(False)
 
