@@ -39,6 +39,7 @@ from kvlab.client import complete
 from kvlab.engine import EngineServer, drop_page_cache
 from kvlab.fio import BLOCK_SIZES, run_fio
 from kvlab.fio import cleanup as fio_cleanup
+from kvlab.harness import results
 from kvlab.harness.memory import tree_usage
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.paths import state_dir
@@ -130,6 +131,7 @@ def bench_store(work: Path, repeats: int, size_mib: int, small_objects: int) -> 
         "raw": {"store_read_gbps": reads, "store_write_gbps": writes, "fio_gbps": fio,
                 "read_ratio": read_ratios, "write_ratio": write_ratios, "order": orders},
         "fio_jobs": jobs,
+        "provenance": {**results.provenance(), "filesystem": results.filesystem(work)},
     }
 
 
@@ -192,7 +194,8 @@ def bench_memory(work: Path, ring_bytes: int, working_set_factor: int, prompt_to
         kv_store_paths=(str(store),), kv_ring_bytes=ring_bytes,
         kv_store_capacity_bytes=2 * working_set_factor * ring_bytes,
     )
-    result: dict = {"schema": "kvlab.bench.memory/1", "ring_bytes": ring_bytes, "prompts": n_prompts,
+    result: dict = {"schema": "kvlab.bench.memory/1", "provenance": results.provenance(),
+                    "ring_bytes": ring_bytes, "prompts": n_prompts,
                     "prompt_tokens": prompt_tokens, "kv_bytes_per_token": kv_per_token,
                     "working_set_bytes": n_prompts * prompt_tokens * kv_per_token}
     for setup in ("baseline", "kvlab"):

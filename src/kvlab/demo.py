@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import shutil
 import statistics
@@ -33,6 +32,7 @@ from kvlab.client import complete
 from kvlab.engine import EngineServer, drop_page_cache, parse_prometheus
 from kvlab.fio import FioResult, fio_limit
 from kvlab.fio import cleanup as fio_cleanup
+from kvlab.harness import results
 from kvlab.harness.scenarios import io_mode_of
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.net import free_port
@@ -216,8 +216,8 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
         "drive_limit_s": drive_time,
         # As kvlab's connector reported it after each restart restore.
         "io_mode": ",".join(sorted(io_modes)),
-        "provenance": {"python": platform.python_version(), "machine": platform.machine(),
-                       "kernel": platform.release(), "engine_argv": list(setups.render("kvlab", params).engine.argv)},
+        "provenance": {**results.provenance(), "filesystem": results.filesystem(work),
+                       "engine_argv": list(setups.render("kvlab", params).engine.argv)},
     }
 
 

@@ -30,4 +30,7 @@ def test_ratios_pair_the_store_with_fios_best_job_of_the_same_repeat(tmp_path: P
     # Every repeat runs every job, each in another order: no job always follows the same one.
     assert all(sorted(order) == ["fio-1M", "fio-4M", "store"] for order in raw["order"])
     assert len({tuple(order) for order in raw["order"]}) == 3
+    prov = res["provenance"]
+    assert prov["git"]["commit"] and prov["versions"]["kvlab-connector"] and prov["host"]["cpu_count"]
+    assert prov["filesystem"]["fstype"], "the filesystem measured on is named"
     assert res["fio_jobs"]["write-4M"]["direct"] == 1 and res["fio_jobs"]["read-1M"]["iodepth"] == 32

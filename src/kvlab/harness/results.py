@@ -162,3 +162,19 @@ def host() -> dict[str, Any]:
     return {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine(),
             "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "gpus": gpus(),
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+
+
+def filesystem(path: Path) -> dict[str, Any]:
+    """The filesystem a measurement ran on: device, type and mount options (a `discard`
+    mount, say, changes what a write costs)."""
+    try:
+        r = subprocess.run(["findmnt", "-J", "-o", "SOURCE,FSTYPE,OPTIONS", "--target", str(path)],
+                           capture_output=True, text=True, timeout=10)
+        return json.loads(r.stdout)["filesystems"][0] if r.returncode == 0 else {}
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, IndexError):
+        return {}
+
+
+def provenance() -> dict[str, Any]:
+    """What any result carries: the commit, the versions and the host it ran on."""
+    return {"git": git_state(), "versions": versions(), "host": host()}

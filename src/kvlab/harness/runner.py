@@ -151,7 +151,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
     prov = {
         "schema": "kvlab.provenance/1", "run_id": run_id, "campaign": c.name,
         "campaign_sha256": campaign_sha, "campaign_path": str(campaign_path),
-        "git": results.git_state(), "versions": results.versions(), "host": results.host(),
+        **results.provenance(),
         "model": model_prov, "seed": c.seed, "trace_sha256": traces, "engine": engine_flags,
         "engine_control": engines.describe(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "note": "engine ports are chosen free per engine life; argv shows the first life's",
