@@ -231,7 +231,9 @@ def test_vanished_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
     assert get(store, ring, 1) == [None] * 4
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach and unmount a loop device")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach and unmount a loop device")
+
+
 def loop_drive(tmp_path: Path, size: str) -> Path:
     """A real ext4 filesystem of `size` on a loop device, mounted; the caller unmounts it."""
     img, mnt = tmp_path / "drive.img", tmp_path / "mnt"
@@ -243,6 +245,7 @@ def loop_drive(tmp_path: Path, size: str) -> Path:
     return mnt
 
 
+@needs_root
 def test_unmounted_loop_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
     mnt = loop_drive(tmp_path, "64M")
     try:
@@ -255,6 +258,7 @@ def test_unmounted_loop_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> No
     assert get(store, ring, 1) == [None] * 4
 
 
+@needs_root
 def test_a_full_drive_lowers_the_bound_and_saves_go_on(tmp_path: Path, ring: StagingRing) -> None:
     mnt = loop_drive(tmp_path, "16M")
     try:
