@@ -454,10 +454,11 @@ class Store:
         metrics.inc("out_of_space")
 
         def shrink() -> None:
-            held = self._scan(clean=False).bytes
+            scan = self._scan(clean=False, with_mtime=True)  # one walk: what is held, and its ages
+            held = scan.bytes
             before = self.capacity_bytes
             self.capacity_bytes = min(self.capacity_bytes, int(held * LOW_WATER))
-            self._write_usage(self._evict_locked(int(self.capacity_bytes * LOW_WATER)))
+            self._write_usage(self._evict_locked(int(self.capacity_bytes * LOW_WATER), scan))
             # The evicted files' blocks are free only once the filesystem commits: now,
             # or the next writes would still find the drive full and lower the bound again.
             for drive in self.drives:
@@ -479,8 +480,11 @@ class Store:
         if pending:
             self._with_lock(lambda: self._write_usage(self._read_usage() + pending))
 
-    def _evict_locked(self, target: int) -> int:
-        scan = self._scan(clean=False, with_mtime=True)
+    def _evict_locked(self, target: int, scan: ScanResult | None = None) -> int:
+        """Evict least-recently-used objects until at most `target` bytes stay; returns the
+        bytes left. `scan` (with mtimes) spares the walk when the caller has just made it."""
+        if scan is None:
+            scan = self._scan(clean=False, with_mtime=True)
         used = scan.bytes
         for _mtime, size, _ns, key in sorted(scan.entries):
             if used <= target:
