@@ -13,6 +13,11 @@ class ConfigError(ValueError):
     pass
 
 
+def is_positive_int(v: Any) -> bool:
+    """An int above zero (a JSON `true` is not a count)."""
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     paths: tuple[str, ...]
@@ -47,7 +52,7 @@ class ConnectorConfig:
         for name in ("capacity_bytes", "ring_bytes", "chunk_tokens", "io_threads"):
             if name in values:
                 v = values[name]
-                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                if not is_positive_int(v):
                     raise ConfigError(f"kv_connector_extra_config.{name} must be a positive integer, got {v!r}")
         for name in ("load_timeout_s", "save_slot_wait_s"):
             if name in values:

@@ -42,6 +42,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from kvlab_connector.config import is_positive_int
 from kvlab_connector.ring import PAGE, RingFull, StagingRing, align_up
 from kvlab_connector.store import ObjectShape, Store
 
@@ -116,7 +117,7 @@ class KvlabL2AdapterConfig(L2AdapterConfigBase):
 
 def _positive_int_or_none(d: dict, name: str) -> int | None:
     v = d.get(name)
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+    if v is not None and not is_positive_int(v):
         raise ValueError(f"kvlab L2 adapter: '{name}' must be a positive integer or absent, got {v!r}")
     return v
 
