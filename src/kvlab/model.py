@@ -15,12 +15,13 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvlab.paths import cache_dir
+from kvlab.paths import models_dir
 
 BUILDER_VERSION = 1
 
@@ -45,7 +46,7 @@ class TinyGeometry:
 
 def model_dir(seed: int = 0, geometry: TinyGeometry = TinyGeometry()) -> Path:
     key = json.dumps({"v": BUILDER_VERSION, "seed": seed, **asdict(geometry)}, sort_keys=True)
-    return cache_dir() / "models" / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return models_dir() / f"tiny-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _corpus(seed: int) -> list[str]:
@@ -112,24 +113,55 @@ def build_tiny(dest: Path, seed: int, geometry: TinyGeometry) -> None:
 
 def ensure_tiny(seed: int = 0, geometry: TinyGeometry = TinyGeometry(), dest: Path | None = None,
                 quiet: bool = False) -> Path:
-    """The tiny model's folder, built if it is not cached yet."""
+    """The tiny model's folder, built if it is not cached yet.
+
+    The build runs in a process of its own (`kvlab model tiny`): whatever the caller has
+    imported must not reach it. Ansible's module_utils, for one, replaces `sys.intern` with
+    an object that transformers' Llama classes (through torch._dynamo) refuse, so a test
+    process that loaded the testinfra plugin could not build a model in-process.
+    """
     final = dest or model_dir(seed, geometry)
-    if (final / "kvlab-model.json").exists():
+    if _complete(final):
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.monotonic()
+    argv = [sys.executable, "-m", "kvlab", "model", "tiny", "--seed", str(seed),
+            "--geometry", json.dumps(asdict(geometry), sort_keys=True), "--out", str(final), "--print-path"]
     if not quiet:
         print(f"building the tiny model (seed {seed}) in {final} …", file=sys.stderr, flush=True)
-    build_tiny(tmp, seed, geometry)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    t0 = time.monotonic()
+    # stdout carries only the path; the builder's warnings and errors pass through on stderr.
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, env=_builder_env())
+    if proc.returncode != 0 or not _complete(final):
+        raise RuntimeError(f"building the tiny model (seed {seed}) into {final} failed "
+                           f"(exit {proc.returncode}; its stderr is above): {' '.join(argv)}")
     if not quiet:
         print(f"built in {time.monotonic() - t0:.1f} s: {geometry.kv_bytes_per_token} B of KV per token",
               file=sys.stderr, flush=True)
     return final
+
+
+def _complete(folder: Path) -> bool:
+    return (folder / "kvlab-model.json").exists()
+
+
+def _builder_env() -> dict[str, str]:
+    """The caller's environment, with this checkout's packages first on the path, so that the
+    builder imports the same kvlab as its caller (a checkout run without installing it)."""
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _build_cached(final: Path, seed: int, geometry: TinyGeometry) -> None:
+    """Build into a temporary folder beside `final`, then move it into place in one rename,
+    so that a reader never sees a half-written model."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny(tmp, seed, geometry)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def tree_sha256(folder: Path) -> str:
@@ -146,15 +178,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = p.add_subparsers(dest="model_command", required=True)
     t = s.add_parser("tiny", help="build (or find cached) the tiny KV-heavy random-weight model")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--geometry", type=_geometry, default=TinyGeometry(),
+                   help="JSON object of TinyGeometry fields to change (default: the KV-heavy campaign model)")
     t.add_argument("--out", type=Path, help="build here instead of the user cache")
     t.add_argument("--print-path", action="store_true", help="print only the model folder")
     t.set_defaults(func=_tiny)
 
 
+def _geometry(text: str) -> TinyGeometry:
+    try:
+        fields = json.loads(text)
+        return TinyGeometry(**fields)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(
+            f"--geometry wants a JSON object of {sorted(asdict(TinyGeometry()))}: {e}") from None
+
+
 def _tiny(args: argparse.Namespace) -> int:
-    path = ensure_tiny(args.seed, dest=args.out, quiet=args.print_path)
+    """The builder process: here the build runs in-process, in a process started for it."""
+    final = args.out or model_dir(args.seed, args.geometry)
+    if not _complete(final):
+        t0 = time.monotonic()
+        if not args.print_path:
+            print(f"building the tiny model (seed {args.seed}) in {final} …", file=sys.stderr, flush=True)
+        _build_cached(final, args.seed, args.geometry)
+        if not args.print_path:
+            print(f"built in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     if args.print_path:
-        print(path)
+        print(final)
     else:
-        print(f"{path}  sha256 {tree_sha256(path)}")
+        print(f"{final}  sha256 {tree_sha256(final)}")
     return 0

@@ -20,6 +20,16 @@ def cache_dir() -> Path:
     return base / "kvlab"
 
 
+def models_dir() -> Path:
+    """Where locally built models are cached (KVLAB_MODELS, else the cache folder's models/).
+
+    Apart from the rest of the cache so that CI can start every run with no model while
+    the VM image, which takes minutes to build, stays warm.
+    """
+    explicit = os.environ.get("KVLAB_MODELS")
+    return Path(explicit) if explicit else cache_dir() / "models"
+
+
 def repo_root() -> Path:
     """The checkout this module was imported from (src/kvlab/paths.py → root)."""
     return Path(__file__).resolve().parents[2]
