@@ -63,16 +63,23 @@ def test_kvlab_restores_the_prompt_and_baseline_recomputes_it(run: tuple[Path, S
     assert k.restart_restore_cached_tokens is not None and k.restart_restore_cached_tokens >= whole
     assert b.warm_restore_cached_tokens == 0 and b.restart_restore_cached_tokens == 0
     assert k.restore_read_bytes and k.restore_read_bytes >= whole * 16384
-    assert k.warm_restore_ttft_s < b.warm_restore_ttft_s
 
 
 def test_the_tier_under_test_serves_the_sweep_and_the_returning_turns(
         run: tuple[Path, Summary, campaign.Campaign]) -> None:
-    _, s, c = run
+    run_dir, s, c = run
     assert c.scenarios.sweep and not c.scenarios.sweep.prefix_caching
-    longest = str(max(c.scenarios.sweep.lengths))
+    longest = max(c.scenarios.sweep.lengths)
+    first, last = c.scenarios.sweep.average_rounds
+    chunk = c.engine["kv_chunk_tokens"]
+    # What each averaged round of the longest prompt found in the tier (its TTFT against
+    # baseline's is the report's finding, not a pass condition).
+    cached = {setup: [r.get("cached_tokens") or 0 for r in results.read_records(run_dir)
+                      if r.get("setup") == setup and r.get("scenario") == "sweep" and r.get("length") == longest
+                      and first <= r["round"] <= last and "error" not in r] for setup in ("kvlab", "baseline")}
+    assert len(cached["kvlab"]) == last - first + 1 and min(cached["kvlab"]) >= (longest - 1) // chunk * chunk, cached
+    assert cached["baseline"] == [0] * (last - first + 1), cached
     k, b = s.setups["kvlab"], s.setups["baseline"]
-    assert (k.sweep[longest].ttft_improvement or 0) > 1
     for n, p in k.agents.items():
         assert p.returning_turn_hit_share and p.returning_turn_hit_share > 0.5, n
         assert b.agents[n].returning_turn_hit_share == 0  # no prefix caching, no tier: nothing cached

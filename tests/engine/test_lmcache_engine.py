@@ -138,8 +138,12 @@ def life(setup: str, model: Path, work: Path) -> dict:
             # The detached arrangement: the engine restarts under the running cache server.
             server.restart(with_companion=False)
             out["engine_restart"] = generate(server.base_url, ids)
+        mark = server.companion.log_path.stat().st_size
         server.restart(with_companion=True)
         out["restart"] = generate(server.base_url, ids)
+        # The fresh cache server's log appends to the old one: its own slice says what it served.
+        tail = server.companion.log_path.read_bytes()[mark:].decode(errors="replace")
+        out["restart_server_log"] = asdict(parse_server_log(tail))
         if setup == "lmcache-mp+kvlab":
             out["adapter_after_restart"] = {k: adapter_status(p)[k] for k in
                                             ("objects_at_start", "objects_loaded", "load_failures", "io_mode")}
@@ -176,7 +180,10 @@ def test_warm_restore_of_16k_tokens_matches_the_recompute(lives: Callable[[str],
     assert len(r["first"]["token_ids"]) == OUT_TOKENS
     assert r["warm"]["cached_tokens"] >= FULL, f"{setup}: warm restore hit {r['warm']['cached_tokens']} tokens"
     assert r["warm"]["token_ids"] == r["first"]["token_ids"], f"{setup}: restored output differs from the recompute"
-    assert r["warm"]["ttft_s"] < r["first"]["ttft_s"]
+    # Where the pages came from: the cache server retrieved them (its TTFT against the
+    # recompute's is a benchmark's finding: scripts/lmcache-ratio, the campaign report).
+    log = r["warm_server_log"]
+    assert log["retrieves"] >= 1 and log["retrieved_tokens"] >= FULL, f"{setup}: {log}"
 
 
 @pytest.mark.parametrize("setup", ["lmcache-mp+kvlab", "lmcache-mp+fs"])
@@ -185,7 +192,9 @@ def test_after_a_restart_of_server_and_engine_the_l2_restores(lives: Callable[[s
     assert r["l2_objects"] >= TOKENS // CHUNK - 1, f"{setup}: only {r['l2_objects']} objects reached the L2"
     assert r["restart"]["cached_tokens"] >= FULL, f"{setup}: after the restart only {r['restart']['cached_tokens']}"
     assert r["restart"]["token_ids"] == r["first"]["token_ids"]
-    assert r["restart"]["ttft_s"] < r["first"]["ttft_s"]
+    # The fresh server's L1 was empty: what it retrieved, it had first prefetched from its L2.
+    log = r["restart_server_log"]
+    assert log["retrieved_tokens"] >= FULL and log["prefetch_l2_keys"] >= 1, f"{setup}: {log}"
 
 
 def test_after_a_restart_kvlab_hits_come_from_its_drives(lives: Callable[[str], dict]) -> None:

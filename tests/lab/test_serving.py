@@ -88,8 +88,8 @@ def metric_total(text: str, prefix: str) -> float:
 
 
 def test_long_prompt_restored_after_engine_restart(gpu, lab, deployment):
-    """The pages of a long prompt come back from the external store after a restart: TTFT
-    well under recompute, and the store's counters (kvlab) or vLLM's external-cache hits moved."""
+    """The pages of a long prompt come back from the external store after a restart: the store's
+    counters (kvlab) or vLLM's external-cache hits cover most of the prompt."""
     kv = deployment["kv_transfer_config"]
     if kv is None:
         pytest.skip(f"setup {lab['setup']!r} keeps no KV outside the GPU: nothing survives a restart")
@@ -129,8 +129,10 @@ def test_long_prompt_restored_after_engine_restart(gpu, lab, deployment):
     ext = metric_total(after, "vllm:external_prefix_cache_hits") - metric_total(
         before, "vllm:external_prefix_cache_hits"
     )
-    assert hits > 0 or ext > 0, "no page came from the external store after the restart"
-    assert second["ttft_s"] < first["ttft_s"] / 2, (first, second)
+    # Most of the prompt came from the store (the TTFTs, first and second, are the campaign's
+    # finding; a timing is no pass condition).
+    assert max(hits, ext) >= second["prompt_tokens"] // 2, ("too little came from the external store "
+                                                            "after the restart", hits, ext, first, second)
     if kv.get("kv_connector") == "KvlabConnector":
         # The engine itself, not just gdscheck: kvlab's connector says how it moved the pages.
         modes = [line for line in after.splitlines() if line.startswith("kvlab_io_mode_info{") and not line.endswith(" 0.0")]
