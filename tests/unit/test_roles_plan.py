@@ -16,7 +16,7 @@ import pytest
 import yaml
 from test_lab_engine_cmdline import ROOT, read_unit, run_plan, unit_file, unit_process
 
-from kvlab import setups
+from kvlab import inventory, setups
 
 pytestmark = pytest.mark.unit
 
@@ -42,11 +42,22 @@ def host_vars(host: str) -> dict:
     )
 
 
+_lab_inventory: list = []
+
+
+def store_paths(host: str) -> list[str]:
+    """The store paths the lab inventory gives a host, rendered by Ansible (they derive from the
+    node's NVMe-oF mounts, which derive from the storage exports)."""
+    if not _lab_inventory:
+        _lab_inventory.append(inventory.load(LAB / "hosts.yml"))
+    return _lab_inventory[0].render(host, ["kvlab_connector_store_paths"])["kvlab_connector_store_paths"]
+
+
 def lab_params(host: str) -> setups.EngineParams:
     """The engine parameters the lab inventory gives a host, resolved by hand (the inventory
     derives the store paths from its NVMe-oF mounts)."""
     v = host_vars(host)
-    paths = tuple(f"{m['path']}/kvlab" for m in v["kvlab_nvmeof_mounts"])
+    paths = tuple(store_paths(host))
     return setups.EngineParams(
         model=v["vllm_server_model_path"],
         python=f"{v['vllm_server_venv']}/bin/python",
@@ -152,9 +163,7 @@ def test_units_wire_storage_secrets_and_exclusion(lab_plan: Path, host: str) -> 
         }
         assert set(unit["Conflicts"]) == {p.name for p in others if p.exists()}
         if name == "kvlab":
-            assert unit["RequiresMountsFor"] == [
-                " ".join(f"{m['path']}/kvlab" for m in v["kvlab_nvmeof_mounts"])
-            ]
+            assert unit["RequiresMountsFor"] == [" ".join(store_paths(host))]
 
 
 def test_api_key_never_leaves_the_vault(lab_plan: Path) -> None:
@@ -179,7 +188,11 @@ def test_cufile_json_follows_the_inventory(lab_plan: Path, host: str) -> None:
     assert props["max_direct_io_size_kb"] == v["gds_max_direct_io_size_kb"]
     assert props["allow_compat_mode"] is False
     assert props["use_poll_mode"] is v["gds_use_poll_mode"]
-    assert props["rdma_dev_addr_list"] == v["gds_rdma_dev_addr_list"]
+    # cuFile's RDMA devices are the node's RoCE ports of the wired link variant (hosts.yml)
+    ports = yaml.safe_load((LAB / "hosts.yml").read_text())["all"]["children"]["gpu_nodes"]["children"][HOSTS[host]][
+        "hosts"][host]["kvlab_storage_ports"]
+    variant = group_vars("all")["kvlab_storage_link_variants"][group_vars("all")["kvlab_storage_link_variant"]]
+    assert props["rdma_dev_addr_list"] == [p["address"].split("/")[0] for p in ports if p["subnet"] in variant["subnets"]]
     assert execution["max_io_queue_depth"] == v["gds_max_io_queue_depth"]
     assert execution["max_io_threads"] == v["gds_max_io_threads"]
     for key in (
@@ -195,7 +208,7 @@ def test_cufile_json_follows_the_inventory(lab_plan: Path, host: str) -> None:
 def test_units_pass_systemd_analyze(lab_plan: Path, tmp_path: Path) -> None:
     """systemd's own parser accepts every unit (the venv's python swapped for one that exists)."""
     tool = shutil.which("systemd-analyze")
-    units = sorted(lab_plan.glob("*/etc/systemd/system/kvlab-*.service"))
+    units = sorted(u for kind in ("vllm", "cache") for u in lab_plan.glob(f"*/etc/systemd/system/kvlab-{kind}-*.service"))
     assert units
     for unit in units:
         text = unit.read_text()
@@ -269,3 +282,91 @@ def test_no_role_restates_an_engine_flag() -> None:
     for path in (ROOT / "roles").rglob("*"):
         if path.is_file() and path.suffix in {".yml", ".j2", ".py"}:
             assert not flags.search(path.read_text()), path
+
+
+# The storage half of the plan: what the rdma, nvmeof_target and nvmeof_initiator roles write,
+# derived from the inventory's one table of exports (group_vars/all/storage.yml).
+def lab_rendered(host: str, *names: str) -> dict:
+    store_paths(host)  # loads the inventory once
+    return _lab_inventory[0].render(host, list(names))
+
+
+def exports() -> list[dict]:
+    return group_vars("all")["kvlab_store_exports"]
+
+
+def test_target_exports_each_node_its_namespaces_to_that_node_only(lab_plan: Path) -> None:
+    cfg = json.loads((lab_plan / "nvmeof-01/etc/kvlab/nvmet.json").read_text())
+    want = {e["nqn"]: e for e in exports() if e["target"] == "nvmeof-01"}
+    assert {s["nqn"] for s in cfg["subsystems"]} == set(want) and len(want) == len(HOSTS)
+    for sub in cfg["subsystems"]:
+        e = want[sub["nqn"]]
+        node_nqn = lab_rendered(e["node"], "nvmeof_initiator_hostnqn")["nvmeof_initiator_hostnqn"]
+        assert sub["allowed_hosts"] == [node_nqn]  # its own node, nobody else; never allow_any_host
+        assert "allow_any_host" not in sub
+        assert [(n["nsid"], n["device"], n["uuid"]) for n in sub["namespaces"]] == [
+            (n["nsid"], n["device"], n["uuid"]) for n in e["namespaces"]
+        ]
+        # backing drives named by serial or WWN, never by a kernel name that can change at boot
+        assert all(re.match(r"/dev/disk/by-id/(nvme-.+_\w+|wwn-0x[0-9a-f]+)$", n["device"]) for n in sub["namespaces"])
+    # one port per RoCE port of the wired variant, each exporting both subsystems over RDMA
+    assert [(p["address"], p["transport"], p["subsystems"]) for p in cfg["ports"]] == [
+        ("192.168.100.31", "rdma", sorted(want)), ("192.168.101.31", "rdma", sorted(want))
+    ]
+    assert {h["nqn"] for h in cfg["hosts"]} == {s["allowed_hosts"][0] for s in cfg["subsystems"]}
+    assert "nvmet-rdma" in (lab_plan / "nvmeof-01/etc/modules-load.d/kvlab-nvmet.conf").read_text()
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_node_discovers_connects_and_mounts_its_namespaces(lab_plan: Path, host: str) -> None:
+    root = lab_plan / host
+    v = lab_rendered(host, "nvmeof_initiator_hostnqn", "nvmeof_initiator_hostid")
+    assert (root / "etc/nvme/hostnqn").read_text().strip() == v["nvmeof_initiator_hostnqn"]
+    assert (root / "etc/nvme/hostid").read_text().strip() == v["nvmeof_initiator_hostid"]
+    lines = [ln for ln in (root / "etc/nvme/discovery.conf").read_text().splitlines() if ln.startswith("--")]
+    assert [re.search(r"--traddr=(\S+)", ln).group(1) for ln in lines] == ["192.168.100.31", "192.168.101.31"]
+    for ln in lines:
+        assert "--transport=rdma" in ln and f"--hostnqn={v['nvmeof_initiator_hostnqn']}" in ln
+        assert "--ctrl-loss-tmo=60" in ln and "--fast_io_fail_tmo=5" in ln
+    assert (root / "etc/modules-load.d/kvlab-nvmeof.conf").read_text().strip().endswith("nvme-rdma")
+    assert "After=network-online.target" in (root / "etc/systemd/system/nvmf-autoconnect.service.d/kvlab.conf").read_text()
+    [mine] = [e for e in exports() if e["node"] == host]
+    fstab = [ln.split() for ln in (root / "etc/fstab").read_text().splitlines() if ln.strip()]
+    assert [(f[0], f[1], f[2]) for f in fstab] == [
+        (f"/dev/disk/by-id/nvme-uuid.{n['uuid']}", n["path"], "xfs") for n in mine["namespaces"]
+    ]
+    assert all("_netdev" in f[3].split(",") for f in fstab)
+    # the store's paths lie on those mounts, one per namespace
+    assert json.loads((root / "etc/kvlab/store.json").read_text())["paths"] == [
+        f"{n['path']}/kvlab" for n in mine["namespaces"]
+    ]
+
+
+@pytest.mark.parametrize("host", [*HOSTS, "nvmeof-01"])
+def test_roce_ports_and_qos_follow_the_wired_variant(lab_plan: Path, host: str) -> None:
+    root = lab_plan / host
+    fabric = group_vars("all")
+    variant = fabric["kvlab_storage_link_variants"][fabric["kvlab_storage_link_variant"]]
+    netdevs = lab_rendered(host, "rdma_netdevs")["rdma_netdevs"]
+    assert {nd["subnet"] for nd in netdevs} == set(variant["subnets"])
+    for nd in netdevs:
+        network = (root / f"etc/systemd/network/20-kvlab-{nd['name']}.network").read_text()
+        assert f"Address={nd['address']}" in network and "MTUBytes=9000" in network
+    script = (root / "usr/local/sbin/kvlab-roce-lossless").read_text()
+    qos = fabric["rdma_roce_lossless"]
+    assert "mlnx_qos" not in script  # in no package list: iproute2's dcb does it
+    for nd in netdevs:
+        assert f"dcb app replace dev {nd['name']} dscp-prio {qos['dscp']}:{qos['pfc_priority']}" in script
+        assert f"dcb pfc set dev {nd['name']} prio-pfc all:off {qos['pfc_priority']}:on" in script
+        assert f"/sys/class/net/{nd['name']}/ecn/roce_np/enable/{qos['pfc_priority']}" in script
+    assert "ExecStart=/usr/local/sbin/kvlab-roce-lossless" in (
+        root / "etc/systemd/system/kvlab-roce-lossless.service"
+    ).read_text()
+
+
+def test_every_gpu_node_has_its_storage_gpu_and_serving_files(lab_plan: Path) -> None:
+    for host in HOSTS:
+        root = lab_plan / host
+        for rel in ("etc/nvme/discovery.conf", "etc/fstab", "usr/local/sbin/kvlab-roce-lossless", "etc/cufile.json",
+                    "etc/systemd/system/kvlab-vllm-kvlab.service"):  # fmt: skip
+            assert (root / rel).is_file(), f"{host}: no {rel} in the plan"
