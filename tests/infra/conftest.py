@@ -29,7 +29,10 @@ FACT_EXPR = (
     " 'multipath': nvmeof_initiator_multipath | default(true),"
     " 'rxe_links': rdma_rxe_links | default([]),"
     " 'netdevs': rdma_netdevs | default([]),"
-    " 'lossless': rdma_roce_lossless | default({'enabled': false})} | to_json }}"
+    " 'lossless': rdma_roce_lossless | default({'enabled': false}),"
+    " 'lossless_apply': rdma_roce_lossless_apply | default(true),"
+    " 'store_paths': kvlab_connector_store_paths | default([]),"
+    " 'store_namespaces': kvlab_connector_store_namespaces | default({})} | to_json }}"
 )
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.infra
@@ -90,3 +93,23 @@ def test_o_direct_write_read_verified(host, inv):
             f'rm -f $src {f}; [ "$a" = "$b" ] && echo verified'
         )
         assert host.check_output(cmd) == "verified"
+
+
+STORE_DEVICE = "/usr/bin/python3 - {paths} <<'PY'\n{script}\nPY"
+
+
+def test_store_paths_on_their_namespaces(host, inv):
+    """Each store folder lies under a mount that is exactly its NVMe-oF namespace (by the uuid the
+    kernel reports for the mounted device), never the root disk; where the node serves no store
+    (no kvlab_connector_store_paths), its mounts are checked the same way."""
+    mounts = inv["store_namespaces"] or {fs["path"]: fs["namespace_uuid"] for fs in inv["initiator_filesystems"]}
+    assert mounts, "no store namespace configured on an initiator"
+    probe = (Path(__file__).resolve().parents[2] / "roles/kvlab_connector/files/kvlab-store-device").read_text()
+    got = json.loads(host.check_output(STORE_DEVICE.format(paths=" ".join(mounts), script=probe)))
+    for dev in got:
+        assert dev["mounted"], f"nothing mounted at {dev['mountpoint']}"
+        assert not dev["is_root_device"], f"{dev['mountpoint']} is on the root disk"
+        assert dev["uuid"] == mounts[dev["mountpoint"]], dev
+    for path in inv["store_paths"]:
+        assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"{path} is under no store namespace"
+        assert host.file(path).is_directory, f"{path} missing"

@@ -78,16 +78,42 @@ def test_roce_counters_recorded(host, inv, record_dir):
     assert counters, "no RDMA counters readable under /sys/class/infiniband"
 
 
-@pytest.mark.lab
-def test_roce_lossless_settings(host, inv):
+def qos_devices(inv) -> list[str]:
+    return inv["lossless"].get("devices") or [nd["name"] for nd in inv["netdevs"]]
+
+
+def test_roce_qos(host, inv):
+    """Trust DSCP, the RoCE DSCP mapped to the PFC priority, PFC on that priority only, ECN on it:
+    read back from the NIC with iproute2's dcb where it holds them; where the inventory says the
+    NICs cannot (soft-RoCE: rdma_roce_lossless_apply false), the rendered script is checked instead."""
     ll = inv["lossless"]
-    if not ll.get("enabled"):
-        pytest.skip("RoCE lossless settings not enabled for this host (soft-RoCE testbed)")
-    prio = int(ll.get("pfc_priority", 3))
-    for dev in ll["devices"]:
-        qos = host.check_output(f"mlnx_qos -i {dev}")
-        assert re.search(rf"Priority trust state:\s*{ll.get('trust', 'dscp')}", qos), qos
-        enabled = re.search(r"enabled\s+((?:\d\s+){8})", qos)
-        assert enabled and enabled.group(1).split()[prio] == "1", qos
+    assert ll.get("enabled"), "RoCE lossless settings are not enabled for this fabric host"
+    prio, dscp = int(ll.get("pfc_priority", 3)), int(ll.get("dscp", 26))
+    devices = qos_devices(inv)
+    assert devices, "no RoCE netdev to hold the QoS settings"
+    script = host.file("/usr/local/sbin/kvlab-roce-lossless").content_string
+    for dev in devices:
+        assert f"dcb pfc set dev {dev} prio-pfc all:off {prio}:on" in script, script
+        if ll.get("trust", "dscp") == "dscp":
+            assert f"dcb app replace dev {dev} dscp-prio {dscp}:{prio}" in script, script
         if ll.get("ecn", True):
-            assert host.file(f"/sys/class/net/{dev}/ecn/roce_np/enable/{prio}").content_string.strip() == "1"
+            assert f"/sys/class/net/{dev}/ecn/roce_np/enable/{prio}" in script, script
+    if not inv["lossless_apply"]:
+        print(f"{host.backend.get_hostname()}: soft-RoCE holds no DCB settings: checked the rendered "
+              f"configuration of {devices}, not read back from the NIC")
+        assert not host.service("kvlab-roce-lossless").is_enabled
+        return
+    assert host.service("kvlab-roce-lossless").is_enabled
+    for dev in devices:
+        pfc = host.check_output(f"dcb pfc show dev {dev} prio-pfc")
+        on = dict(re.findall(r"(\d):(on|off)", pfc))
+        assert on and on.get(str(prio)) == "on" and all(v == "off" for p, v in on.items() if p != str(prio)), pfc
+        app = host.check_output(f"dcb app show dev {dev} dscp-prio")
+        pairs = set(re.findall(r"(\d+):(\d)", app))
+        if ll.get("trust", "dscp") == "dscp":
+            assert (str(dscp), str(prio)) in pairs, app
+        else:
+            assert not pairs, app
+        if ll.get("ecn", True):
+            for side in ("roce_np", "roce_rp"):
+                assert host.file(f"/sys/class/net/{dev}/ecn/{side}/enable/{prio}").content_string.strip() == "1"
