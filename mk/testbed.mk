@@ -3,7 +3,7 @@
 
 transport ?= rdma
 
-testbed: setup ## boot the VM testbed (transport=rdma|tcp) from the cached image; writes inventories/testbed/hosts.yml
+testbed: setup ## boot the VM testbed (transport=rdma|tcp) from the cached image; writes its SSH ports beside inventories/testbed/hosts.yml (ignored files)
 	$(KVLAB) testbed up --transport $(transport)
 
 testbed-down: setup ## stop the testbed VMs by PID (console logs are kept)

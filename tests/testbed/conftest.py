@@ -77,10 +77,8 @@ def testbed(tmp_path_factory) -> Testbed:
             pytest.fail(f"testbed tier cannot run in CI: {why}")
         pytest.skip(why)
     transport = os.environ.get("KVLAB_TESTBED_TRANSPORT", "rdma")
-    inv_dir = tmp_path_factory.mktemp("inventory")
-    for sub in ("group_vars", "host_vars"):
-        (inv_dir / sub).symlink_to(REPO / "inventories" / "testbed" / sub)
-    inventory = inv_dir / "hosts.yml"
+    # the committed inventory (inventories/testbed), copied with this session's run-time values
+    inventory = tmp_path_factory.mktemp("inventory") / "hosts.yml"
     if ATTACH:
         attached = tb.load_state(ATTACH)
         if not tb.running(attached):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from kvlab import inventory
 from kvlab.testbed import image, status, testbed, vm
 
 pytestmark = pytest.mark.unit
@@ -30,16 +32,42 @@ def _state(tmp_path: Path, transport: str = "rdma") -> testbed.State:
     )  # fmt: skip
 
 
-def test_inventory_puts_vms_in_fabric_groups_with_their_ports(tmp_path):
-    path = testbed.write_inventory(_state(tmp_path, "tcp"), tmp_path / "hosts.yml")
-    inv = yaml.safe_load(path.read_text())
-    assert inv["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["ansible_port"] == 2201
-    assert inv["all"]["children"]["nvmeof_initiators"]["hosts"]["node"]["ansible_port"] == 2202
-    # the node is the inventory's GPU node too: site.yml's GPU and serving plays run on it
-    assert inv["all"]["children"]["gpu_nodes"]["hosts"] == {"node": {"ansible_port": 2202}}
-    assert "target" not in inv["all"]["children"]["gpu_nodes"]["hosts"]
-    assert inv["all"]["vars"]["testbed_transport"] == "tcp"
-    assert inv["all"]["vars"]["ansible_host"] == "127.0.0.1"
+def test_up_writes_only_its_ports_key_and_transport_beside_the_committed_tree(tmp_path):
+    path = testbed.write_inventory(_state(tmp_path, "tcp"), tmp_path / "inv" / "hosts.yml")
+    inv = tmp_path / "inv"
+    # the committed group tree and group_vars, copied; the run-time values beside them
+    assert path.read_text() == (testbed.committed_inventory() / "hosts.yml").read_text()
+    assert yaml.safe_load((inv / "host_vars/target/up.yml").read_text()) == {"ansible_port": 2201}
+    assert yaml.safe_load((inv / "host_vars/node/up.yml").read_text()) == {"ansible_port": 2202}
+    up = yaml.safe_load((inv / "group_vars/all/up.yml").read_text())
+    assert up == {"ansible_ssh_private_key_file": str(tmp_path / "k"), "testbed_transport": "tcp"}
+    written = sorted(str(p.relative_to(inv)) for p in inv.rglob("up.yml"))
+    assert written == ["group_vars/all/up.yml", "host_vars/node/up.yml", "host_vars/target/up.yml"]
+    testbed.remove_run_time_vars(path)
+    assert not list(inv.rglob("up.yml")) and not (inv / "host_vars").exists() or not list((inv / "host_vars").iterdir())
+
+
+def test_run_time_files_are_ignored_by_git_and_the_tree_is_committed():
+    root = testbed.committed_inventory().parents[1]
+    files = [f"inventories/testbed/{rel}" for rel in testbed.run_time_vars(_state(Path("/x")))]
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", *files], capture_output=True, text=True)
+    assert sorted(ignored.stdout.split()) == sorted(files)
+    tracked = subprocess.run(["git", "-C", str(root), "ls-files", "inventories/testbed/hosts.yml"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    assert tracked.stdout.strip() == "inventories/testbed/hosts.yml"
+
+
+def test_committed_tree_holds_the_driver_machines_in_their_groups():
+    inv = inventory.load(testbed.committed_inventory() / "hosts.yml")
+    got: dict[str, set] = {}
+    for group in inv.groups():
+        for host in inv.hosts(group):
+            got.setdefault(host, set()).add(group)
+    assert got == {m: {"all", *groups} for m, groups in testbed.GROUPS.items()}
+    assert {spec.name for spec in testbed.MACHINES} == set(got)
+    # the driver's own SSH options are the inventory's
+    gv = yaml.safe_load((testbed.committed_inventory() / "group_vars/all/main.yml").read_text())
+    assert gv["ansible_ssh_common_args"] == vm.SSH_COMMON_ARGS
 
 
 def test_unknown_transport_is_refused():

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("testbed", help="the VM testbed (storage target + node over NVMe-oF)")
     s = p.add_subparsers(dest="testbed_command", required=True)
 
-    u = s.add_parser("up", help="boot the VMs from the cached image and write inventories/testbed/hosts.yml")
+    u = s.add_parser("up", help="boot the VMs from the cached image; write their SSH ports beside inventories/testbed/hosts.yml")
     u.add_argument(
         "--transport",
         choices=testbed.TRANSPORTS,
@@ -27,7 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     u.add_argument("--name", default="default", help="testbed name (state under kvlab's state folder)")
     u.add_argument(
-        "--inventory", type=Path, help="where to write the inventory (default inventories/testbed/hosts.yml)"
+        "--inventory",
+        type=Path,
+        help="an inventory's hosts.yml: the committed testbed inventory is copied there and the run-time "
+        "values written beside it (default: beside inventories/testbed/hosts.yml itself)",
     )
     u.set_defaults(func=_up)
 

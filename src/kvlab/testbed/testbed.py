@@ -1,8 +1,9 @@
 """The VM testbed: a storage target and a "GPU" node (no GPU), joined by an NVMe-oF fabric.
 
 `up` boots both from the cached image (building it when its inputs changed), target first
-because its end of the fabric link listens, writes an Ansible inventory for them, and records
-every PID in a state file; `down` stops exactly those PIDs; `status` reports each VM and the
+because its end of the fabric link listens, writes what it picked (SSH ports, key, transport)
+beside the committed inventory (inventories/testbed: the lab's group tree), and records every
+PID in a state file; `down` stops exactly those PIDs; `status` reports each VM and the
 node's NVMe controllers as /sys/class/nvme shows them.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -30,8 +32,11 @@ MACHINES = (
                    fabric_role="connect"),
 )  # fmt: skip
 # The node is also the inventory's GPU node: the GPU roles find no GPU there and say so, the
-# serving roles install the connector and render the units (issue: roles on a node without GPU).
-GROUPS = {"target": ("nvmeof_targets",), "node": ("nvmeof_initiators", "gpu_nodes")}
+# serving roles install the connector and render the units. The committed inventory
+# (inventories/testbed/hosts.yml) holds this tree; a unit test keeps the two in step.
+GROUPS = {"target": ("nvmeof_targets",), "node": ("nvmeof_initiators", "gpu_nodes", "h200", "bench")}
+# The files `up` writes beside the committed inventory (git ignores them).
+UP_FILE = "up.yml"
 
 
 class TestbedError(Exception):
@@ -83,38 +88,56 @@ def ensure_key(root: Path) -> Path:
     return key
 
 
-def inventory(state: State) -> dict:
-    """The Ansible inventory of a running testbed (site values stay in group_vars/host_vars)."""
-    children: dict[str, dict] = {}
-    for m in state.machines:
-        for group in GROUPS[m.name]:
-            children.setdefault(group, {"hosts": {}})["hosts"][m.name] = {"ansible_port": m.ssh_port}
-    return {
-        "all": {
-            "vars": {
-                "ansible_host": "127.0.0.1",
-                "ansible_user": "root",
-                "ansible_ssh_private_key_file": state.key,
-                "ansible_ssh_common_args": vm.SSH_COMMON_ARGS,
-                # The VMs make new host keys at every boot; Mitogen reads this, not the SSH args.
-                "ansible_host_key_checking": False,
-                "ansible_python_interpreter": "/usr/bin/python3",
-                "testbed_transport": state.transport,
-            },
-            "children": children,
+def committed_inventory() -> Path:
+    return paths.repo_root() / "inventories" / "testbed"
+
+
+def run_time_vars(state: State) -> dict[str, dict]:
+    """What `up` picked, by file under the inventory folder: the key and transport for every
+    host, each VM's forwarded SSH port. Everything else is in the committed inventory."""
+    out = {
+        f"group_vars/all/{UP_FILE}": {
+            "ansible_ssh_private_key_file": state.key,
+            "testbed_transport": state.transport,
         }
     }
+    for m in state.machines:
+        out[f"host_vars/{m.name}/{UP_FILE}"] = {"ansible_port": m.ssh_port}
+    return out
 
 
 def write_inventory(state: State, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    header = f"# Written by `kvlab testbed up` for testbed {state.name!r}; not committed. Transport: {state.transport}.\n"
-    path.write_text(header + yaml.safe_dump(inventory(state), sort_keys=True))
+    """Write the run-time values beside `path` (an inventory's hosts.yml). Anywhere else than the
+    committed inventory (a test's own folder), the committed one is copied there first."""
+    inv_dir = path.parent
+    src = committed_inventory()
+    if inv_dir.resolve() != src.resolve():
+        if path.exists() or inv_dir.exists():
+            for sub in ("hosts.yml", "group_vars", "host_vars"):
+                target = inv_dir / sub
+                if target.is_symlink() or target.is_file():
+                    target.unlink()
+                elif target.is_dir():
+                    shutil.rmtree(target)
+        shutil.copytree(src, inv_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(UP_FILE, "*.md"))
+    header = f"# Written by `kvlab testbed up` for testbed {state.name!r}; not committed (git ignores it).\n"
+    for rel, values in run_time_vars(state).items():
+        f = inv_dir / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(header + "---\n" + yaml.safe_dump(values, sort_keys=True))
     return path
 
 
+def remove_run_time_vars(path: Path) -> None:
+    inv_dir = path.parent
+    for f in [*inv_dir.glob(f"group_vars/*/{UP_FILE}"), *inv_dir.glob(f"host_vars/*/{UP_FILE}")]:
+        f.unlink()
+        if f.parent.parent.name == "host_vars" and not any(f.parent.iterdir()):
+            f.parent.rmdir()
+
+
 def default_inventory_path() -> Path:
-    return paths.repo_root() / "inventories" / "testbed" / "hosts.yml"
+    return committed_inventory() / "hosts.yml"
 
 
 def running(state: State | None) -> bool:
@@ -191,6 +214,8 @@ def down(name: str = "default", log=print) -> None:
         vm.stop(m)
         log(f"{m.name}: stopped (pid {m.pid}); console log kept at {m.console_log}")
     (state_root(name) / "state.json").unlink(missing_ok=True)
+    if name == "default":
+        remove_run_time_vars(default_inventory_path())
 
 
 def status(name: str = "default") -> dict:
