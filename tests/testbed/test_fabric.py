@@ -52,20 +52,30 @@ def test_check_diff_mode_is_clean(testbed, deployed):
 
 
 def test_verify_suites_pass(testbed, deployed, tmp_path):
+    """make verify's suites (scripts/verify): tests/infra on the fabric groups and tests/lab on
+    gpu_nodes, each collecting the testbed's hosts; the GPU checks deselected because the inventory
+    declares kvlab_gpus_expected: false, and the RoCE QoS checked as rendered (soft-RoCE)."""
     env = dict(
         os.environ,
         KVLAB_INFRA_RECORD=str(tmp_path),
         ANSIBLE_NOCOLOR="1",
         ANSIBLE_CONFIG=str(tb.paths.repo_root() / "ansible.cfg"),
         PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}",
+        PYTHON=sys.executable,
     )
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/infra", "-m", "infra", "-p", "no:cacheprovider", "-q",
-         f"--ansible-inventory={testbed.inventory}"],
+        [str(tb.paths.repo_root() / "scripts" / "verify"), str(testbed.inventory), "-q", "-s"],
         cwd=tb.paths.repo_root(), env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
-    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-8000:]
     assert (tmp_path / "node-roce-counters.json").exists()
+    for suite in ("test_storage_target.py on ansible://target", "test_storage_initiator.py on ansible://node",
+                  "test_storage_rdma.py on ansible://target", "test_storage_rdma.py on ansible://node"):  # fmt: skip
+        assert re.search(rf"{re.escape(suite)}: \d+ passed", out), (suite, out[-4000:])
+    assert re.search(r"tests/lab/test_gpu_node.py on node: \d+ deselected, not run: the inventory declares "
+                     r"kvlab_gpus_expected: false", out), out[-3000:]  # fmt: skip
+    assert "checked the rendered configuration" in out  # soft-RoCE holds no DCB settings, and says so
 
 
 def test_status_shows_controllers_over_the_chosen_transport(testbed, deployed):
