@@ -23,3 +23,8 @@ verify: setup ## prove inventory=NAME's datapath: tests/infra (storage fabric) a
 
 lint-ansible: setup ## ansible-lint (production profile, offline, no skips) over roles and playbooks
 	$(ANSIBLE_ENV) $(VENV)/bin/ansible-lint
+
+.PHONY: pin
+pin: setup ## read the storage roles' exact package versions from inventory=NAME's nodes into inventories/NAME/group_vars/*/pins.yml
+	@test -f $(INVENTORY_FILE) || { echo "pin: no $(INVENTORY_FILE)"; exit 2; }
+	$(ANSIBLE_ENV) $(VENV)/bin/ansible-playbook -i $(INVENTORY_FILE) playbooks/pin.yml $(ARGS)
