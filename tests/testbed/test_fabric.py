@@ -15,6 +15,7 @@ import time
 import uuid
 
 import pytest
+import yaml
 
 from kvlab.testbed import testbed as tb
 
@@ -37,6 +38,25 @@ def test_deploy(deployed):
         pytest.skip("attached testbed: deployed by make deploy")
     changes = recap_changes(deployed.stdout)
     assert set(changes) == {"target", "node"}, deployed.stdout[-2000:]
+
+
+def test_make_pin_reads_the_vms_package_versions(testbed, deployed):
+    """make pin's playbook on the VMs: each storage role's packages, at the versions the VM's own
+    package sources give (here the VM reaches no repository: its dpkg database is the only source,
+    so no SHA256 comes with them), written into the inventory, where the next deploy reads them."""
+    res = testbed.ansible("playbooks/pin.yml")
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert recap_changes(res.stdout) == {"target": 0, "node": 0}, res.stdout[-2000:]  # nothing changes on the VMs
+    inv = testbed.inventory.parent
+    roles = tb.paths.repo_root() / "roles"
+    for group, role_names in (("nvmeof_targets", ("rdma", "nvmeof_target")),
+                              ("nvmeof_initiators", ("rdma", "nvmeof_initiator"))):  # fmt: skip
+        pins = yaml.safe_load((inv / "group_vars" / group / "pins.yml").read_text())
+        for role in role_names:
+            os_vars = yaml.safe_load((roles / role / "vars/Debian_13.yml").read_text())
+            want = {k: v for key, table in os_vars.items() if key.endswith("_packages") and key != "__rdma_doca_packages"
+                    for k, v in table.items()}  # fmt: skip
+            assert pins[f"{role}_package_versions"] == want, (group, role, pins)
 
 
 def test_second_deploy_changes_nothing(testbed, deployed):
