@@ -4,7 +4,8 @@ Ansible only warns when a play's host pattern matches nothing, so a deploy whose
 misspelt (the lab once had `storage_targets` where storage.yml targets `nvmeof_targets`) reports
 success with nothing configured. Enabled in ansible.cfg, so it covers every playbook without
 an edit to any play. Under `--limit` a play outside the limit is expected to match nothing:
-that is said on a line, not failed.
+that is said on a line, not failed; so it is where KVLAB_EMPTY_PLAYS=say (scripts/plan: a plan
+renders what an inventory has, and says which groups it lacks; it configures nothing).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ requirements:
   - enabled in ansible.cfg (callbacks_enabled)
 """
 
+import os
 import sys
 
 from ansible import context
@@ -53,6 +55,9 @@ class CallbackModule(CallbackBase):
         limit = context.CLIARGS.get("subset")
         if limit:
             display.display(f"kvlab: play {name!r} ({pattern}) has no host within --limit {limit}")
+            return
+        if os.environ.get("KVLAB_EMPTY_PLAYS") == "say":
+            display.display(f"kvlab: play {name!r} ({pattern}) has no host in {inventory}: nothing rendered for it")
             return
         display.error(
             f"play {name!r} matches no host: its hosts {pattern!r} are empty in {inventory}; "

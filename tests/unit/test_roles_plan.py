@@ -45,12 +45,17 @@ def host_vars(host: str) -> dict:
 _lab_inventory: list = []
 
 
-def store_paths(host: str) -> list[str]:
-    """The store paths the lab inventory gives a host, rendered by Ansible (they derive from the
-    node's NVMe-oF mounts, which derive from the storage exports)."""
+def lab_rendered(host: str, *names: str) -> dict:
+    """Values the lab inventory gives a host, rendered by Ansible."""
     if not _lab_inventory:
         _lab_inventory.append(inventory.load(LAB / "hosts.yml"))
-    return _lab_inventory[0].render(host, ["kvlab_connector_store_paths"])["kvlab_connector_store_paths"]
+    return _lab_inventory[0].render(host, list(names))
+
+
+def store_paths(host: str) -> list[str]:
+    """The store paths the lab inventory gives a host (they derive from the node's NVMe-oF
+    mounts, which derive from the storage exports)."""
+    return lab_rendered(host, "kvlab_connector_store_paths")["kvlab_connector_store_paths"]
 
 
 def lab_params(host: str) -> setups.EngineParams:
@@ -286,11 +291,6 @@ def test_no_role_restates_an_engine_flag() -> None:
 
 # The storage half of the plan: what the rdma, nvmeof_target and nvmeof_initiator roles write,
 # derived from the inventory's one table of exports (group_vars/all/storage.yml).
-def lab_rendered(host: str, *names: str) -> dict:
-    store_paths(host)  # loads the inventory once
-    return _lab_inventory[0].render(host, list(names))
-
-
 def exports() -> list[dict]:
     return group_vars("all")["kvlab_store_exports"]
 
