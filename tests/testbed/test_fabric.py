@@ -46,7 +46,9 @@ def test_make_pin_reads_the_vms_package_versions(testbed, deployed):
     so no SHA256 comes with them), written into the inventory, where the next deploy reads them."""
     res = testbed.ansible("playbooks/pin.yml")
     assert res.returncode == 0, res.stdout[-4000:]
-    assert recap_changes(res.stdout) == {"target": 0, "node": 0}, res.stdout[-2000:]  # nothing changes on the VMs
+    # nothing changes on the VMs: the only changes are the pins files written on the controller
+    changed = [line for line in res.stdout.splitlines() if line.startswith("changed: [")]
+    assert changed and all("-> localhost" in line for line in changed), res.stdout[-3000:]
     inv = testbed.inventory.parent
     roles = tb.paths.repo_root() / "roles"
     for group, role_names in (("nvmeof_targets", ("rdma", "nvmeof_target")),
