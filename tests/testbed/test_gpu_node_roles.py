@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.testbed, pytest.mark.timeout(3600)]
 VENV = "/opt/kvlab/venv"
 STORE = "/mnt/kvstore0/kvlab"
 # roles/kvlab_connector/files/kvlab-connector-deps.lock: the wheel's, not Debian's 2.2.4
-LOCKED_NUMPY = "2.3.5"
+LOCKED_NUMPY = "2.2.6"
 
 
 def test_gpu_roles_say_no_gpu_and_serving_renders_only(deployed):
