@@ -23,6 +23,8 @@ LAB_EXPR = (
     " 'gds_allow_compat_mode': gds_allow_compat_mode | default(false),"
     " 'gds_cuda_version': cuda_version | default(''),"
     " 'peermem': nvidia_peermem_enabled | default(true),"
+    " 'persistenced': nvidia_driver_persistenced | default(true),"
+    " 'store_mounts': kvlab_nvmeof_mounts | default([]),"
     " 'setup': vllm_server_setup | default(''),"
     " 'port': vllm_server_port | default(8000),"
     " 'venv': vllm_server_venv | default('/opt/kvlab/venv'),"
