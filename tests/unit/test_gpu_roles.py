@@ -162,3 +162,16 @@ def test_no_gpu_expected_says_what_is_not_done(tmp_path: Path) -> None:
 def test_gds_and_peermem_on_the_inbox_rdma_stack_stop_naming_doca(tmp_path: Path, extra: dict, missing: str) -> None:
     proc = plan(tmp_path, kvlab_gpus_expected=True, nvidia_driver_plan_lspci=H200_LSPCI, rdma_stack="inbox", **extra)
     assert proc.returncode != 0 and missing in msg_of(proc), msg_of(proc)[-3000:]
+
+
+def test_an_engine_on_the_network_needs_the_api_key(tmp_path: Path) -> None:
+    proc = plan(tmp_path, nvidia_driver_plan_lspci=NO_NVIDIA, vllm_server_host="0.0.0.0")
+    assert proc.returncode != 0 and "vllm_server_api_key is empty" in msg_of(proc), msg_of(proc)[-3000:]
+
+
+def test_an_engine_on_the_network_runs_without_dev_mode(tmp_path: Path) -> None:
+    proc = plan(tmp_path, nvidia_driver_plan_lspci=NO_NVIDIA, vllm_server_host="0.0.0.0", vllm_server_api_key="k")
+    assert proc.returncode == 0, msg_of(proc)[-3000:]
+    unit = (tmp_path / "plan/node/etc/systemd/system/kvlab-vllm-baseline.service").read_text()
+    assert "--host 0.0.0.0" in unit and "VLLM_SERVER_DEV_MODE" not in unit
+    assert "EnvironmentFile=/etc/kvlab/vllm-api.env" in unit
