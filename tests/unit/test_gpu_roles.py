@@ -145,10 +145,18 @@ def test_gpus_where_none_are_expected_fail_too(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "reports 8 NVIDIA GPU(s)" in msg_of(proc)
 
 
-def test_no_gpu_expected_says_what_is_not_done(tmp_path: Path) -> None:
-    proc = plan(tmp_path, kvlab_gpus_expected=False, nvidia_driver_plan_lspci=NO_NVIDIA)
+@pytest.fixture(scope="module")
+def no_gpu_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """A GPU-less node the inventory expects so (the testbed's), its engine on the network."""
+    tmp = tmp_path_factory.mktemp("no-gpu")
+    proc = plan(tmp, kvlab_gpus_expected=False, nvidia_driver_plan_lspci=NO_NVIDIA,
+                vllm_server_host="0.0.0.0", vllm_server_api_key="k")
     assert proc.returncode == 0, msg_of(proc)[-3000:]
-    out = " ".join(proc.stdout.split())  # the callback wraps long messages
+    return proc, tmp / "plan" / "node"
+
+
+def test_no_gpu_expected_says_what_is_not_done(no_gpu_plan: tuple[subprocess.CompletedProcess, Path]) -> None:
+    out = msg_of(no_gpu_plan[0])  # the callback wraps long messages
     assert "install nothing here (no driver, fabric manager, CUDA, nvidia-fs, cufile.json or peer memory)" in out
     for role_says in ("fabric manager not installed", "CUDA not installed", "GDS not installed",
                       "nvidia-peermem not loaded", "render only"):
@@ -169,9 +177,7 @@ def test_an_engine_on_the_network_needs_the_api_key(tmp_path: Path) -> None:
     assert proc.returncode != 0 and "vllm_server_api_key is empty" in msg_of(proc), msg_of(proc)[-3000:]
 
 
-def test_an_engine_on_the_network_runs_without_dev_mode(tmp_path: Path) -> None:
-    proc = plan(tmp_path, nvidia_driver_plan_lspci=NO_NVIDIA, vllm_server_host="0.0.0.0", vllm_server_api_key="k")
-    assert proc.returncode == 0, msg_of(proc)[-3000:]
-    unit = (tmp_path / "plan/node/etc/systemd/system/kvlab-vllm-baseline.service").read_text()
+def test_an_engine_on_the_network_runs_without_dev_mode(no_gpu_plan: tuple[subprocess.CompletedProcess, Path]) -> None:
+    unit = (no_gpu_plan[1] / "etc/systemd/system/kvlab-vllm-baseline.service").read_text()
     assert "--host 0.0.0.0" in unit and "VLLM_SERVER_DEV_MODE" not in unit
     assert "EnvironmentFile=/etc/kvlab/vllm-api.env" in unit
