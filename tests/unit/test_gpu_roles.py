@@ -181,3 +181,10 @@ def test_an_engine_on_the_network_runs_without_dev_mode(no_gpu_plan: tuple[subpr
     unit = (no_gpu_plan[1] / "etc/systemd/system/kvlab-vllm-baseline.service").read_text()
     assert "--host 0.0.0.0" in unit and "VLLM_SERVER_DEV_MODE" not in unit
     assert "EnvironmentFile=/etc/kvlab/vllm-api.env" in unit
+
+
+def test_float32_on_an_fp8_checkpoint_stops_the_render(tmp_path: Path) -> None:
+    proc = plan(tmp_path, nvidia_driver_plan_lspci=NO_NVIDIA, vllm_server_model_path="/models/GLM-5.3-FP8",
+                vllm_server_engine_params={"dtype": "float32"})
+    assert proc.returncode != 0
+    assert "dtype float32 with the FP8 checkpoint /models/GLM-5.3-FP8" in msg_of(proc), msg_of(proc)[-3000:]
