@@ -290,6 +290,12 @@ class EngineServer:
         return {role: process_tree(pid) if pid is not None else None for role, pid in self.pids().items()}
 
     def reset_prefix_cache(self) -> None:
+        if not self.deployment.serves_dev_routes:
+            raise EngineError(
+                f"setup {self.deployment.setup}: the engine binds a network address, so it runs without "
+                "vLLM's dev mode and has no /reset_prefix_cache (dev routes check no API key); bind it "
+                "to 127.0.0.1 (vllm_server_host, the harness runs on the node) to reset its prefix cache"
+            )
         req = urllib.request.Request(self.base_url + "/reset_prefix_cache", method="POST", data=b"")
         with urllib.request.urlopen(req, timeout=60) as r:
             if r.status != 200:

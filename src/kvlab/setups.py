@@ -9,13 +9,22 @@ kvlab's engine control and the Ansible serving role both render from here
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 # Every engine gets the same kv_load_failure_policy: a missing or corrupt object must be
 # recomputed, never fail the request (and kvlab's connector refuses to start otherwise).
 LOAD_FAILURE_POLICY = "recompute"
+# vLLM's dev routes (/reset_prefix_cache, /collective_rpc, /sleep, /update_weights) check no
+# API key: dev mode is on only for an engine bound to one of these addresses, explicitly.
+LOOPBACK_HOSTS = ("127.0.0.1", "::1")
+# The dtype an engine gets where EngineParams.dtype is None: on CUDA the checkpoint's own
+# ("auto": bfloat16, FP8 weights with their scales); on the CPU engine the embedded
+# default's tiny model's (kvlab.model.TinyGeometry.dtype), which "auto" would downcast.
+DEVICE_DTYPE = {"cuda": "auto", "cpu": "float32"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +42,7 @@ class EngineParams:
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
-    dtype: str = "float32"  # the tiny model's; lab inventories set bfloat16
+    dtype: str | None = None  # None: DEVICE_DTYPE of the device
     device: str = "cpu"  # "cpu" (embedded default) or "cuda" (lab)
     # CPU engine only: the cores every setup is pinned to, and its KV cache size.
     cpu_cores: str | None = "0-1"
@@ -63,6 +72,15 @@ class EngineParams:
     def with_(self, **changes: Any) -> EngineParams:
         return replace(self, **changes)
 
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or DEVICE_DTYPE[self.device]
+
+    @property
+    def dev_mode(self) -> bool:
+        """Whether the engine serves vLLM's unauthenticated dev routes (loopback only)."""
+        return self.host in LOOPBACK_HOSTS
+
 
 @dataclass(frozen=True)
 class ProcessSpec:
@@ -86,6 +104,11 @@ class Deployment:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
+    @property
+    def serves_dev_routes(self) -> bool:
+        """Whether its engine answers /reset_prefix_cache (dev mode, loopback only)."""
+        return self.engine.env.get("VLLM_SERVER_DEV_MODE") == "1"
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -106,6 +129,7 @@ class Setup:
                 f"setup {self.name!r} does not run on device {params.device!r}: "
                 f"it runs on {', '.join(self.devices)}"
             )
+        _check_dtype(params)
         kv = self.kv_transfer(params)
         env = _engine_env(params) | self.extra_env(params)
         argv = _engine_argv(params, kv)
@@ -127,16 +151,39 @@ class SetupError(ValueError):
     """A setup name or parameter a user gave that cannot be rendered."""
 
 
+def fp8_checkpoint(model: str) -> bool:
+    """Whether `model` holds FP8 weights: its config.json's quantization_config where the
+    folder is readable here (a campaign on the node), else its folder name (a render on the
+    Ansible controller, where the model is not)."""
+    path = Path(model)
+    try:
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return re.search(r"fp8", path.name, re.IGNORECASE) is not None
+    return "fp8" in json.dumps(quant or {}).lower()
+
+
+def _check_dtype(p: EngineParams) -> None:
+    if p.resolved_dtype == "float32" and fp8_checkpoint(p.model):
+        raise SetupError(
+            f"dtype float32 with the FP8 checkpoint {p.model}: vLLM refuses float32 activations for FP8 "
+            "weights (the engine would crash-loop). Leave dtype unset (on CUDA: auto, the checkpoint's "
+            "own) or set dtype: bfloat16 (vllm_server_engine_params.dtype, or the campaign's engine.dtype)"
+        )
+
+
 def _engine_env(p: EngineParams) -> dict[str, str]:
     env = {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
-        # /reset_prefix_cache is a dev-mode endpoint; the restore scenario needs it.
-        "VLLM_SERVER_DEV_MODE": "1",
         "PYTHONHASHSEED": "0",
     }
+    if p.dev_mode:
+        # /reset_prefix_cache (the restore scenario's warm phase) is a dev route, and dev
+        # routes check no API key: only on an engine nothing off the node can reach.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     if p.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(p.cpu_kv_cache_gib)
         # One 30K-token prefill step takes minutes on two cores: past vLLM's default 300 s
@@ -156,7 +203,7 @@ def _engine_argv(p: EngineParams, kv: dict[str, Any] | None) -> list[str]:
         "--served-model-name", p.served_model_name,
         "--host", p.host,
         "--port", str(p.port),
-        "--dtype", p.dtype,
+        "--dtype", p.resolved_dtype,
         "--max-model-len", str(p.max_model_len),
         "--tensor-parallel-size", str(p.tensor_parallel_size),
         "--seed", "0",

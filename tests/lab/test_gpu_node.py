@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from labhelpers import host_name, load_filter
+from labhelpers import ROOT, host_name, load_filter
 
 pytestmark = pytest.mark.lab
 
@@ -81,3 +81,55 @@ def test_peermem_loaded(gpu, lab):
     if not lab["peermem"]:
         pytest.skip(f"nvidia_peermem_enabled is false for {host_name(gpu)}")
     assert gpu.file("/proc/modules").contains("^nvidia_peermem ")
+
+
+def platform(gpu) -> dict:  # type: ignore[no-untyped-def]
+    """The gds role's own platform reading (roles/gds/files/gds-platform), run on the node as root."""
+    script = (ROOT / "roles/gds/files/gds-platform").read_text()
+    with gpu.sudo():
+        return json.loads(gpu.check_output("python3 -c %s", script))
+
+
+def test_iommu_off_or_passthrough(gpu, lab):
+    """GDS and GPUDirect RDMA need DMA untranslated: IOMMU off, or passthrough (iommu=pt)."""
+    assert platform(gpu)["iommu"] in ("off", "passthrough"), (
+        f"{host_name(gpu)}: IOMMU {platform(gpu)['iommu']}: boot with iommu=pt (or intel_iommu=off / amd_iommu=off)"
+    )
+
+
+def test_acs_off_on_the_gpu_nic_path(gpu, lab):
+    """ACS on a PCIe switch port between a GPU and a NIC sends their peer-to-peer traffic up
+    through the root complex (or blocks it)."""
+    found = platform(gpu)
+    assert found["acs_on"] == [], (
+        f"{host_name(gpu)}: ACS on at {found['acs_on']} (of the switch ports {found['checked']} above the "
+        "GPUs and RDMA NICs): disable it in the BIOS, or with setpci at boot"
+    )
+
+
+def test_persistence_mode_on(gpu, lab):
+    if not lab["persistenced"]:
+        pytest.skip(f"nvidia_driver_persistenced is false for {host_name(gpu)}")
+    assert gpu.service("nvidia-persistenced").is_running
+    modes = gpu.check_output("nvidia-smi --query-gpu=persistence_mode --format=csv,noheader").split()
+    assert modes and set(modes) == {"Enabled"}, modes
+
+
+def test_store_on_its_nvmeof_namespace(gpu, lab, store_paths):
+    """Each store folder sits on the mount of the inventory's namespace (by uuid), reached over
+    RDMA; never on the root disk (findmnt --target answers for / too)."""
+    mounts = {m["path"]: m for m in lab["store_mounts"]}
+    for path in store_paths:
+        mount = max((m for m in mounts if path == m or path.startswith(m.rstrip("/") + "/")), key=len, default=None)
+        assert mount, f"{path} is under none of the inventory's store mounts {sorted(mounts)}"
+        uuid = mounts[mount].get("namespace_uuid")
+        assert uuid, f"the inventory gives {mount} no namespace_uuid: it cannot say which namespace holds {path}"
+        source = gpu.check_output(f"findmnt -n -o SOURCE --mountpoint {mount} | xargs -r realpath")
+        device = gpu.check_output(f"realpath -e /dev/disk/by-id/nvme-uuid.{uuid}")
+        assert source == device, f"{mount} is mounted from {source or 'nothing'}, namespace {uuid} is {device}"
+        # a namespace's controller; under native multipath, the controllers of its paths
+        dev = device.rsplit("/", 1)[-1]
+        transport = gpu.check_output(
+            f"cat /sys/block/{dev}/device/transport 2>/dev/null || cat /sys/block/{dev}/multipath/*/device/transport | sort -u"
+        )
+        assert transport == "rdma", f"{mount}: namespace {uuid} is reached over {transport}, not NVMe-oF RDMA"

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.testbed, pytest.mark.timeout(3600)]
 VENV = "/opt/kvlab/venv"
 STORE = "/mnt/kvstore0/kvlab"
 # roles/kvlab_connector/files/kvlab-connector-deps.lock: the wheel's, not Debian's 2.2.4
-LOCKED_NUMPY = "2.3.5"
+LOCKED_NUMPY = "2.2.6"
 
 
 def test_gpu_roles_say_no_gpu_and_serving_renders_only(deployed):
@@ -57,7 +57,7 @@ def test_units_rendered_from_the_registry_and_verified(testbed, deployed):
     assert kvlab["kv_transfer_config"]["kv_connector_extra_config"]["paths"] == [STORE], kvlab
     params = setup_cli.params_from_mapping({
         "model": "/models/kvlab-tiny", "python": f"{VENV}/bin/python", "served_model_name": "kvlab-tiny",
-        "host": "0.0.0.0", "port": 8000, "tensor_parallel_size": 1, "enable_prefix_caching": True,
+        "host": "127.0.0.1", "port": 8000, "tensor_parallel_size": 1, "enable_prefix_caching": True,
         "device": "cuda", "kv_store_paths": [STORE], "example_storage_path": "/mnt/kvstore0/vllm-example",
     })  # fmt: skip
     assert kvlab["engine"]["argv"] == list(setups.render("kvlab", params).engine.argv)

@@ -329,3 +329,15 @@ def test_the_bench_runner_roles_command_is_a_kvlab_command_line(capsys: pytest.C
     assert argv[:2] == ["campaign", "run"] and "systemd" in argv
     assert main([*argv, "--dry-run"]) == 0
     assert "estimate" in capsys.readouterr().out.lower()
+
+
+def test_a_network_bound_unit_has_no_prefix_cache_reset(tmp_path: Path) -> None:
+    """The role's lab unit bound to 0.0.0.0 runs without dev mode: the harness says so at
+    once, from the deployment the role wrote, and sends nothing to an open route."""
+    path = tmp_path / "kvlab.json"
+    path.write_text(deployment("kvlab").to_json())
+    d = load_deployment("kvlab", tmp_path)
+    assert not d.serves_dev_routes
+    server = SystemdEngine(d, "http://127.0.0.1:9/", Systemd(FakeSystemctl()), tmp_path)
+    with pytest.raises(EngineError, match="no /reset_prefix_cache"):
+        server.reset_prefix_cache()

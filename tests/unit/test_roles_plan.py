@@ -67,7 +67,7 @@ def lab_params(host: str) -> setups.EngineParams:
         model=v["vllm_server_model_path"],
         python=f"{v['vllm_server_venv']}/bin/python",
         served_model_name=v["vllm_server_served_model_name"],
-        host="0.0.0.0",
+        host=v.get("vllm_server_host", "127.0.0.1"),  # the role's default: loopback
         port=8000,
         tensor_parallel_size=v["vllm_server_tensor_parallel_size"],
         enable_prefix_caching=v["vllm_server_enable_prefix_caching"],

@@ -184,7 +184,16 @@ def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], flo
     if c:
         t.note(f"{t.setup}: computed {sc.tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
     time.sleep(sc.settle_s)  # saves are asynchronous: let the last writes land
-    for i in range(sc.warm_repeats):
+    warm_repeats = sc.warm_repeats
+    if warm_repeats and sc.prefix_caching and not t.server.deployment.serves_dev_routes:
+        # Never through an open port: dev routes check no API key, so a network-bound engine has none.
+        why = (f"restore: the warm phase needs /reset_prefix_cache, which {t.setup}'s engine does not serve "
+               "(it binds a network address, so it runs without vLLM's dev mode): warm restores not measured; "
+               "bind the engine to 127.0.0.1 (vllm_server_host) to measure them")
+        t.sink({"kind": "error", "setup": t.setup, "scenarios": ["restore"], "message": why})
+        t.note(f"{t.setup}: {why}")
+        warm_repeats = 0
+    for i in range(warm_repeats):
         step(f"restore: warm {i + 1}/{sc.warm_repeats}")
         t.set_phase("restore:warm")
         if sc.prefix_caching:  # without a prefix cache the running engine already has to restore
