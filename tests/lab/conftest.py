@@ -83,37 +83,3 @@ def store_paths(gpu, lab) -> list[str]:  # type: ignore[no-untyped-def]
     if not paths:
         pytest.skip(f"{host_name(gpu)} configures no store drive (kvlab_connector_store_paths is empty)")
     return paths
-
-
-def _declares_no_gpu(host) -> bool:  # type: ignore[no-untyped-def]
-    if host.backend.NAME != "ansible":
-        return False
-    return str(host.backend.get_variables().get("kvlab_gpus_expected", True)).lower() in ("false", "no", "0")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A host whose inventory declares no GPU (kvlab_gpus_expected: false, the testbed's node)
-    has its GPU checks deselected, not skipped: the inventory says they do not apply there
-    (and under CI=true a skip outside real hardware is a failure)."""
-    keep, drop = [], []
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        host = params.get("_testinfra_host")
-        no_gpu = host is not None and "gpu" in getattr(item, "fixturenames", ()) and _declares_no_gpu(host)
-        (drop if no_gpu else keep).append(item)
-    if drop:
-        hosts = sorted({i.callspec.params["_testinfra_host"].backend.get_pytest_id() for i in drop})
-        print(f"\nlab suite: {len(drop)} GPU check(s) deselected on {', '.join(hosts)}: kvlab_gpus_expected is false")
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
-        config.stash[_ALL_DESELECTED] = not keep
-
-
-_ALL_DESELECTED = pytest.StashKey[bool]()
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Every check deselected because the inventory declares no GPU is the suite's answer
-    for those hosts, not "no tests ran" (exit 5)."""
-    if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED and session.config.stash.get(_ALL_DESELECTED, False):
-        session.exitstatus = pytest.ExitCode.OK

@@ -111,8 +111,11 @@ def test_no_unread_fabric_variables():
 
 
 def role_spec(role: str) -> dict:
+    """The role's options; a default that is a template (derived at run time from other
+    variables, as Ansible renders it before validating) is left to the run."""
     spec = yaml.safe_load((ROOT / "roles" / role / "meta/argument_specs.yml").read_text())
-    return spec["argument_specs"]["main"]["options"]
+    options = spec["argument_specs"]["main"]["options"]
+    return {k: {f: v for f, v in o.items() if not (f == "default" and "{{" in str(v))} for k, o in options.items()}
 
 
 def role_defaults(role: str) -> dict:

@@ -1,6 +1,7 @@
-"""The lab suite against an inventory: a GPU node whose inventory declares no GPU
-(kvlab_gpus_expected: false, the testbed) has its GPU checks deselected, never skipped;
-a node that should have GPUs runs them (and here, without a driver, each says what is absent)."""
+"""The lab suite against an inventory, as `make verify` runs it (the kvlab.verify plugin): a GPU
+node whose inventory declares no GPU (kvlab_gpus_expected: false, the testbed) has its GPU
+checks deselected, never skipped; a node that should have GPUs runs them (and here, without a
+driver, each says what is absent)."""
 
 from __future__ import annotations
 
@@ -22,15 +23,15 @@ def lab_suite(tmp: Path, expected: bool) -> subprocess.CompletedProcess:
         "ansible_connection": "local", "ansible_python_interpreter": sys.executable,
         "kvlab_gpus_expected": expected}}}}}}))
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/lab",
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvlab.verify", "tests/lab",
          "--hosts=ansible://gpu_nodes", f"--ansible-inventory={inv}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CI": ""},
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CI": "", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
     )
 
 
 def test_no_gpu_declared_deselects_the_gpu_checks(tmp_path: Path) -> None:
     proc = lab_suite(tmp_path, expected=False)
-    assert "kvlab_gpus_expected is false" in proc.stdout, proc.stdout[-2000:]
+    assert "declares kvlab_gpus_expected: false" in proc.stdout, proc.stdout[-2000:]
     assert " deselected" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
     assert proc.returncode == 0, "the inventory's answer for this host, not 'no tests ran'"
 
