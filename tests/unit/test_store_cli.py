@@ -28,3 +28,12 @@ def test_good_values_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["bench", "--path", str(tmp_path / "d0"), "--size-mib", "8", "--threads", "2",
                  "--ring-mib", "8", "--verify"]) == 0
     assert "verified True" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("arg", "value"), [("size_mib", 0), ("size_mib", -5), ("sections", 0), ("ring_mib", 0),
+                                            ("threads", 0)])
+def test_the_bench_itself_refuses_nonsense_naming_it(tmp_path: Path, arg: str, value: int) -> None:
+    from kvlab_connector.bench import run_store
+
+    with pytest.raises(ValueError, match="io_threads" if arg == "threads" else arg):
+        run_store([tmp_path / "d0"], **{"size_mib": 8, "ring_mib": 8, arg: value})

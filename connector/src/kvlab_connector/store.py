@@ -63,6 +63,7 @@ class Store(ReadPaths):
     ):
         if isinstance(paths, str | bytes | os.PathLike) or not paths:
             raise ValueError(f"paths: give a list of directories, one per drive, got {paths!r}")
+        paths = list(paths)
         if not is_positive_int(capacity_bytes):
             raise ValueError(f"capacity_bytes must be a positive integer (bytes), got {capacity_bytes!r}")
         if io_threads is not None and not is_positive_int(io_threads):
