@@ -110,11 +110,14 @@ def test_tp_ranks_under_a_bound_are_evicted_to_it(tmp_path: Path) -> None:
     assert not store.exists(gqa.namespace(0), spread_key(0), gqa.shape)
 
 
-def test_objects_of_different_shapes_under_one_key_are_counted_apart(tmp_path: Path) -> None:
-    """A whole chunk and a shorter (tail) object in one namespace, some under one key."""
+@pytest.mark.parametrize("tail", [
+    ObjectShape(n_sections=1, section_bytes=SHAPE.section_bytes),  # fewer fragments than a chunk
+    ObjectShape(n_sections=SHAPE.n_sections, section_bytes=4096),  # as many: fewer blocks a layer
+])
+def test_objects_of_different_shapes_under_one_key_are_counted_and_kept(tmp_path: Path, tail: ObjectShape) -> None:
+    """A whole chunk and a shorter (tail) object in one namespace, under the same keys."""
     drives = [tmp_path / "d0", tmp_path / "d1"]
     store = Store(drives, capacity_bytes=1 << 30)
-    tail = ObjectShape(n_sections=1, section_bytes=SHAPE.section_bytes)  # one fragment, on one drive
     ring = StagingRing(8 * SHAPE.stride, SHAPE.stride)
     for i in range(3):
         assert write(store, ring, NS, key(i), SHAPE, i) and write(store, ring, NS, key(i), tail, i)
@@ -122,8 +125,23 @@ def test_objects_of_different_shapes_under_one_key_are_counted_apart(tmp_path: P
     scan = Store(drives, capacity_bytes=1 << 30).rebuild()
     assert (scan.objects, scan.removed_partial) == (6, 0)
     assert scan.bytes == 3 * (SHAPE.object_bytes + tail.object_bytes)
+    assert all(store.exists(NS, key(i), s) for i in range(3) for s in (SHAPE, tail))
     assert store.remove(NS, key(0)) == SHAPE.object_bytes + tail.object_bytes
     assert not store.exists(NS, key(0), SHAPE) and not store.exists(NS, key(0), tail)
+    assert store.scan().objects == 4
+
+
+def test_a_chunk_and_tails_in_one_namespace_stay_under_the_bound(tmp_path: Path) -> None:
+    drives = [tmp_path / "d0", tmp_path / "d1"]
+    tail = ObjectShape(n_sections=SHAPE.n_sections, section_bytes=4096)
+    store = Store(drives, capacity_bytes=10 * SHAPE.object_bytes)
+    ring = StagingRing(8 * SHAPE.stride, SHAPE.stride)
+    for i in range(40):
+        assert write(store, ring, NS, spread_key(i), SHAPE, i)
+        assert write(store, ring, NS, spread_key(1000 + i), tail, i)
+    assert store.scan().bytes <= 10 * SHAPE.object_bytes
+    assert store.exists(NS, spread_key(1039), tail) and store.exists(NS, spread_key(39), SHAPE)
+    assert not store.exists(NS, spread_key(0), SHAPE)
 
 
 # ---- refused at the boundary ----------------------------------------------------------------

@@ -29,8 +29,10 @@ from kvlab_connector.store_stats import StoreStats
 log = logging.getLogger("vllm.kvlab_connector")
 
 LOW_WATER = 0.9  # eviction frees down to this share of the capacity
-# An object on the drives: (namespace, key, fragments). TP ranks write the same keys into
-# a namespace each, and one key may be stored in several shapes (a whole chunk, a tail).
+# What the walk counts and evicts as one: (namespace, key, fragments). TP ranks write the
+# same keys into a namespace each. One key may also be stored in several shapes (a whole
+# chunk, a tail); those with as many fragments are counted as objects but evicted together:
+# their files' names alone cannot say which fragments belong to which.
 ObjectId = tuple[str, str, int]
 
 
@@ -226,8 +228,8 @@ class Ledger:
         """Walk the drives. Usage comes from the names alone; mtimes (for eviction order)
         cost a stat per object and are read only when asked for."""
         t0 = time.perf_counter()
-        # object -> [fragment indices seen, bytes, paths]
-        seen: dict[ObjectId, tuple[set[int], list[int], list[str]]] = {}
+        # object -> (files seen of each fragment index, [bytes], paths)
+        seen: dict[ObjectId, tuple[dict[int, int], list[int], list[str]]] = {}
         removed = 0
         now = time.time()
         for drive in self.drives:
@@ -243,8 +245,9 @@ class Ledger:
                         m = FRAGMENT_RE.match(name)
                         if m:
                             frags, size, files = seen.setdefault((ns_entry.name, m.group(1), int(m.group(3))),
-                                                                 (set(), [0], []))
-                            frags.add(int(m.group(2)))
+                                                                 ({}, [0], []))
+                            frag = int(m.group(2))
+                            frags[frag] = frags.get(frag, 0) + 1
                             size[0] += int(m.group(4))
                             files.append(e.path)
                         elif clean and name.endswith(".tmp"):
@@ -254,7 +257,7 @@ class Ledger:
                                 removed += 1
         entries_out = []
         paths = {}
-        total = 0
+        total = objects = 0
         for obj, (frags, (size,), files) in seen.items():
             _ns, key, nfrag = obj
             if len(frags) == nfrag:
@@ -265,11 +268,12 @@ class Ledger:
                 entries_out.append((mtime, size, obj))
                 paths[obj] = files
                 total += size
+                objects += min(frags.values())  # shapes whose every fragment is there
             elif clean and now - max(_mtime(p) for p in files) > 60:
                 # A writer died between renames: the object was never complete.
                 _remove_files(files)
                 removed += 1
-        return ScanResult(len(entries_out), total, removed, time.perf_counter() - t0, entries_out, paths)
+        return ScanResult(objects, total, removed, time.perf_counter() - t0, entries_out, paths)
 
     def _listdir(self, path: str | os.PathLike) -> list[os.DirEntry]:
         """A directory's entries; one that cannot be read (its mode, a failing drive) is
