@@ -159,6 +159,18 @@ def test_one_directory_reached_through_a_symlink_is_refused(tmp_path: Path) -> N
         Store([tmp_path / "d0", tmp_path / "alias"], capacity_bytes=1 << 30)
 
 
+@needs_root
+def test_one_directory_reached_through_a_bind_mount_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "d0").mkdir()
+    (tmp_path / "bound").mkdir()
+    subprocess.run(["mount", "--bind", str(tmp_path / "d0"), str(tmp_path / "bound")], check=True)
+    try:
+        with pytest.raises(ValueError, match="bound"):
+            Store([tmp_path / "d0", tmp_path / "bound"], capacity_bytes=1 << 30)
+    finally:
+        subprocess.run(["umount", str(tmp_path / "bound")], check=True)
+
+
 @pytest.mark.parametrize(("args", "named"), [
     ({"capacity_bytes": -1}, "capacity_bytes"),
     ({"capacity_bytes": 0}, "capacity_bytes"),
