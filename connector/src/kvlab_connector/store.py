@@ -106,9 +106,11 @@ class Store(ReadPaths):
 
     # ---- lookup ---------------------------------------------------------------------
     def exists(self, ns: str, key: str, shape: ObjectShape) -> bool:
+        check_name("namespace", ns)
+        check_name("key", key)
         for f in range(self.n_fragments(shape)):
             try:
-                os.stat(self.fragment_path(ns, key, shape, f))
+                os.stat(self._path(ns, key, shape, f))  # the first one missing ends it
             except OSError:
                 return False
         return True

@@ -100,6 +100,16 @@ class FragmentNames:
     def fragment_path(self, ns: str, key: str, shape: ObjectShape, frag: int) -> Path:
         check_name("namespace", ns)
         check_name("key", key)
+        return self._path(ns, key, shape, frag)
+
+    def fragment_paths(self, ns: str, key: str, shape: ObjectShape) -> list[Path]:
+        """Every fragment's path, in fragment order (the names checked once: lookups are
+        per key, many a request)."""
+        check_name("namespace", ns)
+        check_name("key", key)
+        return [self._path(ns, key, shape, f) for f in range(self.n_fragments(shape))]
+
+    def _path(self, ns: str, key: str, shape: ObjectShape, frag: int) -> Path:
         nfrag = self.n_fragments(shape)
         return self.drives[frag] / ns / key[:2] / f"{key}.{frag}-{nfrag}.{self.fragment_bytes(key, shape, frag)}"
 

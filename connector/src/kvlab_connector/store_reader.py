@@ -65,9 +65,10 @@ class ReadPaths(FragmentNames):
     def open_object(self, ns: str, key: str, shape: ObjectShape) -> OpenObject | None:
         """File descriptors of the object's fragments, or None if any is missing."""
         fds = OpenObject()
+        paths = self.fragment_paths(ns, key, shape)
         try:
-            for f in range(self.n_fragments(shape)):
-                fds.append(self._open_for(f, self.fragment_path(ns, key, shape, f), os.O_RDONLY))
+            for f, path in enumerate(paths):
+                fds.append(self._open_for(f, path, os.O_RDONLY))
         except OSError:
             for fd in fds:
                 os.close(fd)
@@ -176,11 +177,10 @@ class ReadPaths(FragmentNames):
     def open_object_device(self, ns: str, key: str, shape: ObjectShape) -> OpenObject | None:
         """device_io handles of the object's fragments, or None if any is missing."""
         handles = OpenObject()
-        for f in range(self.n_fragments(shape)):
-            self.fragment_path(ns, key, shape, f)  # a malformed name is the caller's error, not a miss
+        paths = self.fragment_paths(ns, key, shape)  # a malformed name is the caller's error, not a miss
         try:
-            for f in range(self.n_fragments(shape)):
-                handles.append(self.device_io.open(self.fragment_path(ns, key, shape, f), "r"))
+            for path in paths:
+                handles.append(self.device_io.open(path, "r"))
         except Exception:  # kvikio reports a missing file as a RuntimeError
             for h in handles:
                 h.close()

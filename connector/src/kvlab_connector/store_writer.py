@@ -58,7 +58,7 @@ class ObjectWriter:
         # In every section's trailer: a reader takes sections of one write only.
         self.write_id = ident.int & (2**64 - 1)
         suffix = f"{os.getpid()}.{ident.hex[:8]}.tmp"
-        self.final = [store.fragment_path(ns, key, shape, f) for f in range(self.nfrag)]
+        self.final = store.fragment_paths(ns, key, shape)
         self.tmp = [p.with_name(f".{p.name}.{suffix}") for p in self.final]
         self._fds: list[int | None] = [None] * self.nfrag  # opened at the first write (_open)
         self._device_files: list[Any] = [None] * self.nfrag  # opened at the first device write
