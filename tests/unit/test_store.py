@@ -234,12 +234,13 @@ def test_vanished_drive_is_a_miss(tmp_path: Path, ring: StagingRing) -> None:
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach and unmount a loop device")
 
 
-def loop_drive(tmp_path: Path, size: str) -> Path:
-    """A real ext4 filesystem of `size` on a loop device, mounted; the caller unmounts it."""
+def loop_drive(tmp_path: Path, size: str, inodes: int | None = None) -> Path:
+    """A real ext4 filesystem of `size` (and as few as `inodes` inodes) on a loop device,
+    mounted; the caller unmounts it."""
     img, mnt = tmp_path / "drive.img", tmp_path / "mnt"
     mnt.mkdir()
     subprocess.run(["truncate", "-s", size, str(img)], check=True)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", *(["-N", str(inodes)] if inodes else []), str(img)], check=True)
     if subprocess.run(["mount", "-o", "loop", str(img), str(mnt)]).returncode != 0:
         pytest.skip("this kernel refuses loop mounts here")
     return mnt

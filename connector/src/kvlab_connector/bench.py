@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlab_connector.config import is_positive_int
 from kvlab_connector.ring import StagingRing
 from kvlab_connector.store import ObjectShape, Store
 
@@ -48,6 +49,10 @@ def run_store(
     ring_mib: int = 256, threads: int | None = None, verify: bool = False, salt: int = 0,
 ) -> StoreRun:
     """Write then read `size_mib` of objects; GB/s of each phase (1e9 bytes)."""
+    for name, value in (("size_mib", size_mib), ("section_mib", section_mib), ("sections", sections),
+                        ("ring_mib", ring_mib)):
+        if not is_positive_int(value):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     shape = ObjectShape(n_sections=sections, section_bytes=section_mib << 20)
     n_objects = max(1, (size_mib << 20) // (shape.section_bytes * sections))
     store = Store(paths, capacity_bytes=1 << 50, io_threads=threads)

@@ -9,6 +9,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvlab_connector.bench import clear, run_store
+from kvlab_connector.config import is_positive_int
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count or a size: it names the flag when the value is none."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if not is_positive_int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value  # type: ignore[return-value]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,9 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bench", help="write then read objects through the store; GB/s")
     b.add_argument("--path", action="append", required=True, type=Path, help="a drive's directory (repeat per drive)")
-    b.add_argument("--size-mib", type=int, default=1024)
-    b.add_argument("--threads", type=int, default=None, help="I/O threads over all drives (default: 8 per drive)")
-    b.add_argument("--ring-mib", type=int, default=256)
+    b.add_argument("--size-mib", type=positive_int, default=1024)
+    b.add_argument("--threads", type=positive_int, default=None,
+                   help="I/O threads over all drives (default: 8 per drive)")
+    b.add_argument("--ring-mib", type=positive_int, default=256)
     b.add_argument("--verify", action="store_true", help="compare every byte read with what was written")
     b.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)

@@ -1,0 +1,374 @@
+"""The store's writer: one object's sections, checksummed and queued as they come, written
+by the I/O threads as few large requests per fragment file, committed by renames once every
+section is on the drives.
+
+Fragment files are written under temporary names and renamed into place once every section
+of the object is on the drives; an object exists only when all of its fragment files do.
+Two writers of one key can interleave their renames (or a crash can stop one halfway) and
+leave fragments of both: each section's trailer names its write, and a reader takes one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kvlab_connector import metrics
+from kvlab_connector.checksum import wsum64_tensor
+from kvlab_connector.io_gds import side_stream
+from kvlab_connector.io_posix import pwritev_full
+from kvlab_connector.ring import align_up
+from kvlab_connector.store_format import MAGIC_WSUM, MAGIC_XXH3, TRAILER_BYTES, ObjectShape, pack_trailer
+from kvlab_connector.store_ledger import unlink_quietly
+
+if TYPE_CHECKING:
+    from kvlab_connector.store import Store
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full drive, or the store's user's quota
+# One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).
+MAX_WRITE_BYTES = 8 << 20
+MAX_WRITE_BUFFERS = 256
+# (offset, bytes: a host memoryview or a device tensor, on_done)
+_QueuedWrite = tuple[int, "memoryview | Any", Callable[[bool], None]]
+
+
+class ObjectWriter:
+    """Writes one object's sections as they come; commits when all are on the drives.
+
+    Sections may arrive in any order from any thread, each exactly once. `abort()` (or a
+    failed or refused section) discards everything written; nothing becomes visible until
+    `commit`. `done` always resolves: once every section came and was written (True, or
+    False if any failed), or once a failed writer's writes in flight are over (False).
+    Nothing here touches a drive on the caller's thread (the engine's forward pass): each
+    fragment file is created by the I/O thread that first writes to it."""
+
+    def __init__(self, store: Store, ns: str, key: str, shape: ObjectShape, num_tokens: int, tag: int):
+        self.store, self.ns, self.key, self.shape = store, ns, key, shape
+        self.num_tokens, self.tag = num_tokens, tag
+        self.nfrag = store.n_fragments(shape)
+        ident = uuid.uuid4()
+        # In every section's trailer: a reader takes sections of one write only.
+        self.write_id = ident.int & (2**64 - 1)
+        suffix = f"{os.getpid()}.{ident.hex[:8]}.tmp"
+        self.final = store.fragment_paths(ns, key, shape)
+        self.tmp = [p.with_name(f".{p.name}.{suffix}") for p in self.final]
+        self._fds: list[int | None] = [None] * self.nfrag  # opened at the first write (_open)
+        self._device_files: list[Any] = [None] * self.nfrag  # opened at the first device write
+        self._submitted = [False] * shape.n_sections
+        self._n_submitted = 0
+        self._in_flight = 0
+        self._finished = False  # commit or discard has begun: exactly once
+        self._queued: list[list[_QueuedWrite]] = [[] for _ in range(self.nfrag)]
+        self._draining = [False] * self.nfrag
+        self._failed = False
+        self._out_of_space = False
+        self._closed = False
+        self._lock = threading.Lock()
+        self.done: Future[bool] = Future()
+
+    def _open(self, frag: int) -> int:
+        """The fragment's temporary file, created at its first write (on an I/O thread; one
+        drain per file at a time, so never twice)."""
+        fd = self._fds[frag]
+        if fd is not None:
+            return fd
+        if self._closed:
+            raise OSError(errno.EBADF, "the writer is closed")
+        p = self.tmp[frag]
+        for attempt in range(3):
+            p.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = self.store._open_for(frag, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise  # an eviction removed the key directory, empty, between the two: again
+        # Allocate the fragment up front: direct writes inside the file's size run in
+        # parallel, while writes that extend a file are serialized by the filesystem.
+        try:
+            os.posix_fallocate(fd, 0, self.store.fragment_bytes(self.key, self.shape, frag))
+        except OSError as e:
+            if e.errno in _NO_SPACE:
+                os.close(fd)
+                raise
+            # a filesystem without fallocate still takes the writes
+        with self._lock:
+            if self._closed:  # closed meanwhile (a failed section elsewhere): not ours to keep
+                os.close(fd)
+                raise OSError(errno.EBADF, "the writer is closed")
+            self._fds[frag] = fd
+        return fd
+
+    def fill_trailer(self, section: int, buf: memoryview) -> None:
+        """Write the section's trailer into its slot after the payload."""
+        shape = self.shape
+        pay = align_up(shape.section_bytes)
+        checksum = xxhash.xxh3_64_intdigest(buf[:shape.section_bytes])
+        buf[pay:pay + TRAILER_BYTES] = pack_trailer(
+            self.ns, self.key, shape, section, self.num_tokens, self.tag, self.write_id, MAGIC_XXH3, checksum
+        )
+
+    def submit_section(self, section: int, buf: memoryview, on_done: Callable[[bool], None]) -> None:
+        """Checksum and queue a section whose payload is in buf[:section_bytes] (a writable
+        buffer of at least shape.stride bytes); on_done(ok) runs when the slot may be reused,
+        also when the section is refused (ValueError: the writer then fails)."""
+        try:
+            view = memoryview(buf).cast("B")
+        except (TypeError, ValueError):
+            view = None
+        problem = None
+        if view is None:
+            problem = f"section {section!r}: {type(buf).__name__} is not a contiguous buffer"
+        elif view.readonly:
+            problem = f"section {section!r}: the buffer is read-only"
+        if not self._admit(section, view.nbytes if view is not None else 0, problem, on_done):
+            return
+        try:
+            self.fill_trailer(section, view)  # type: ignore[arg-type]
+        except Exception:
+            self._unadmit(on_done)
+            raise
+        self._queue(section, view[:self.shape.stride], on_done)  # type: ignore[index]
+
+    def submit_device_section(self, section: int, slot: Any, on_done: Callable[[bool], None]) -> None:
+        """The same for a section in device memory (a uint8 tensor of shape.stride bytes,
+        its payload ready): checksummed on the device, written by the store's device_io."""
+        if not self._admit(section, int(slot.numel()), None, on_done):
+            return
+        import torch
+
+        shape = self.shape
+        pay = align_up(shape.section_bytes)
+        try:
+            with side_stream(slot.device):
+                checksum = wsum64_tensor(slot[:shape.section_bytes])
+                trailer = pack_trailer(self.ns, self.key, shape, section, self.num_tokens, self.tag, self.write_id,
+                                       MAGIC_WSUM, checksum)
+                slot[pay:pay + TRAILER_BYTES].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+                if slot.is_cuda:
+                    torch.cuda.current_stream().synchronize()  # kvikio writes from its own stream
+        except Exception:
+            self._unadmit(on_done)
+            raise
+        self._queue(section, slot[:shape.stride], on_done)
+
+    def _admit(self, section: object, nbytes: int, problem: str | None, on_done: Callable[[bool], None]) -> bool:
+        """Whether a section goes to the drives. A misused one (an index outside the shape
+        or given twice, a buffer too short or read-only) fails the writer and raises; one
+        that comes after a failure is given back. Either way on_done(False) runs first."""
+        n = self.shape.n_sections
+        if problem is None:
+            if not isinstance(section, int) or isinstance(section, bool) or not 0 <= section < n:
+                problem = f"section {section!r} is not one of 0..{n - 1} (the shape has {n} sections)"
+            elif nbytes < self.shape.stride:
+                problem = f"section {section}: the buffer holds {nbytes} bytes, fewer than shape.stride {self.shape.stride}"
+        with self._lock:
+            if problem is None and self._submitted[section]:  # type: ignore[index]
+                problem = f"section {section} was submitted twice"
+            if problem is None:
+                self._submitted[section] = True  # type: ignore[index]
+                self._n_submitted += 1
+                if not self._failed:
+                    self._in_flight += 1
+                    return True
+            self._failed = True
+            finish = self._finishing()
+        on_done(False)
+        if finish:
+            self._fail()
+        if problem is not None:
+            raise ValueError(f"kvlab store: object {self.key}: {problem}; the object is not written")
+        return False
+
+    def _unadmit(self, on_done: Callable[[bool], None]) -> None:
+        """A section admitted but never queued (its checksum or trailer failed)."""
+        on_done(False)
+        self._section_done(False)
+
+    def _finishing(self) -> bool:
+        """Under the lock: whether the writer is over now, and this caller is the one to
+        commit or discard it (exactly one is)."""
+        if self._finished or self._in_flight:
+            return False
+        if self._failed or self._n_submitted == self.shape.n_sections:
+            self._finished = True
+            return True
+        return False
+
+    def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None]) -> None:
+        frag, offset = self.store.placement(self.key, self.shape, section)
+        with self._lock:
+            self._queued[frag].append((offset, buf, on_done))
+            start = not self._draining[frag]
+            self._draining[frag] = True
+        if start:
+            self.store.engine.submit(self._drain, frag)
+
+    def _drain(self, frag: int) -> None:
+        """Write out whatever is queued for one fragment file, on an I/O thread.
+
+        One drain per file at a time: sections that arrive while it writes queue up and
+        go out together, adjacent ones as one vectored write. Fewer, larger requests are
+        what lets a drive reach its sequential write speed (one write per section
+        reached ~0.6 of fio's limit here; whole objects per write, fio's)."""
+        while True:
+            with self._lock:
+                items, self._queued[frag] = self._queued[frag], []
+                if not items:
+                    self._draining[frag] = False
+                    return
+            items.sort(key=lambda it: it[0])
+            for run in _contiguous_runs(items):
+                self._write_run(frag, run)
+
+    def _write_run(self, frag: int, run: list[_QueuedWrite]) -> None:
+        store = self.store
+        nbytes = sum(_nbytes(buf) for _, buf, _ in run)
+        ok = False
+        t0 = time.perf_counter()
+        if not self._failed:
+            try:
+                fd = self._open(frag)
+                if isinstance(run[0][1], memoryview):
+                    ok = pwritev_full(fd, [buf for _, buf, _ in run], run[0][0]) == nbytes
+                else:  # device memory: one section per run
+                    (offset, slot, _), = run
+                    if self._device_files[frag] is None:
+                        self._device_files[frag] = store.device_io.open(self.tmp[frag], "r+")
+                    ok = store.device_io.pwrite(self._device_files[frag], slot, nbytes, offset) == nbytes
+            except Exception as e:  # an I/O error (or a device error): the object is not written
+                ok = False
+                if isinstance(e, OSError) and e.errno in _NO_SPACE:
+                    self._out_of_space = True
+            dt = time.perf_counter() - t0
+            with store._lock:
+                store.stats.note_latency(dt)
+                if ok:
+                    store.stats.bytes_written += nbytes
+                    store.stats.write_s += dt
+            metrics.observe_io(dt, written_bytes=nbytes if ok else 0)
+        for _, _, on_done in run:
+            on_done(ok)
+            self._section_done(ok)
+
+    def _section_done(self, ok: bool) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if not ok:
+                self._failed = True
+            finish = self._finishing()
+        if finish:
+            if self._failed:
+                self._fail()
+            else:
+                self._commit()
+
+    def abort(self, unsubmitted: int = 0) -> None:
+        """Give up on this object (no ring slot for a section, say): the sections not
+        submitted will never come (`unsubmitted`, their count, is kept for callers that
+        pass it; the writer knows which). Sections in flight finish first; the last one
+        discards it all."""
+        with self._lock:
+            self._failed = True
+            finish = self._finishing()
+        if finish:
+            self._fail()
+
+    def abort_unfinished(self) -> None:
+        """Abort if some section has not come yet (the store is closing)."""
+        with self._lock:
+            waiting = self._n_submitted < self.shape.n_sections
+        if waiting:
+            self.abort()
+
+    def _close_fds(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for h in self._device_files:
+            if h is not None:
+                try:
+                    h.close()
+                except Exception:
+                    pass
+        for fd in self._fds:
+            if fd is None:
+                continue
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _fail(self) -> None:
+        if self.done.done():
+            return  # already discarded (an open that failed, then the sections that came anyway)
+        self._close_fds()
+        for p in self.tmp:
+            unlink_quietly(str(p))
+        with self.store._lock:
+            self.store.stats.writes_aborted += 1
+        if self._out_of_space:
+            # After this object's files are gone (they are not the store's), and on an I/O
+            # thread: an abort() can bring us here on the engine's own thread.
+            try:
+                self.store.engine.submit(self.store.ledger.on_full)
+            except RuntimeError:
+                pass  # the store is closing: its bound no longer matters
+        if not self.done.done():
+            self.done.set_result(False)
+
+    def _commit(self) -> None:
+        self._close_fds()
+        try:
+            # Fragment 0 last: its mtime orders eviction, and an object is complete only
+            # once every fragment is in place.
+            for f in range(self.nfrag - 1, -1, -1):
+                os.replace(self.tmp[f], self.final[f])
+        except OSError:
+            for p in self.tmp + self.final:
+                unlink_quietly(str(p))
+            with self.store._lock:
+                self.store.stats.writes_aborted += 1
+            self.done.set_result(False)
+            return
+        with self.store._lock:
+            self.store.stats.objects_written += 1
+        try:
+            self.store.ledger.account(self.shape.object_bytes)
+        except OSError:
+            # The ledger could not be updated (a full or failing first drive): the object
+            # stands, and the next eviction's scan counts usage from the drives again.
+            pass
+        finally:
+            self.done.set_result(True)
+
+
+def _nbytes(buf: Any) -> int:
+    return len(buf) if isinstance(buf, memoryview) else int(buf.numel())
+
+
+def _contiguous_runs(items: list[_QueuedWrite]) -> Iterator[list[_QueuedWrite]]:
+    """Split offset-sorted writes into runs that are adjacent on the drive and fit one
+    request. Host buffers merge into one vectored write; a device section goes alone
+    (kvikio splits a request over its own threads)."""
+    run = [items[0]]
+    size = _nbytes(items[0][1])
+    for it in items[1:]:
+        adjacent = run[-1][0] + _nbytes(run[-1][1]) == it[0]
+        host = isinstance(it[1], memoryview) and isinstance(run[-1][1], memoryview)
+        if host and adjacent and size + len(it[1]) <= MAX_WRITE_BYTES and len(run) < MAX_WRITE_BUFFERS:
+            run.append(it)
+            size += len(it[1])
+        else:
+            yield run
+            run, size = [it], _nbytes(it[1])
+    yield run
