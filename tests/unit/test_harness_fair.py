@@ -303,3 +303,11 @@ def test_the_embedded_campaign_turns_the_fair_sweep_and_real_answers_on() -> Non
     assert c.scenarios.agents.source.generator.answers == "engine"
     assert c.scenarios.restore and c.scenarios.restore.recompute_prompts >= 3
     assert "baseline" in (c.scenarios.restore.setups or c.setups)
+
+
+def test_the_report_names_what_the_agents_send_back() -> None:
+    from kvlab.harness.report import answers_of
+
+    assert answers_of({"scenarios": {"agents": {"source": {"mooncake": {"path": "t.jsonl"}}}}}) == "trace"
+    assert answers_of({"scenarios": {"agents": {"source": {"generator": {"turns": 3}}}}}) == "seeded"
+    assert answers_of({"scenarios": {"agents": {"source": {"generator": {"answers": "engine"}}}}}) == "engine"

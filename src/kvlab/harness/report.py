@@ -229,11 +229,10 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
         ("External prefix-cache hits, tokens", lambda p: f3(p.external_hit_tokens, 0)),
     ]
     blocks = sorted({s.block_size for _, s, _ in live if s.block_size})
-    answers = sorted({str(((r.campaign.get("scenarios") or {}).get("agents") or {}).get("source", {})
-                          .get("generator", {}).get("answers", "seeded")) for _, _, r in live})
-    carried = ("each next turn carries the tokens the engine generated for the previous one"
-               if answers == ["engine"] else "each next turn carries a seeded reply, not the engine's answer"
-               if answers == ["seeded"] else f"answers: {'/'.join(answers)}")
+    answers = sorted({answers_of(r.campaign) for _, _, r in live})
+    carried = {("engine",): "each next turn carries the tokens the engine generated for the previous one",
+               ("seeded",): "each next turn carries a seeded reply, not the engine's answer",
+               ("trace",): "requests replayed from a trace"}.get(tuple(answers), f"answers: {'/'.join(answers)}")
     out = [f"At N = {' / '.join(map(str, ns))} concurrent agents; {carried}. The block-aligned best is each "
            "returning turn's reusable tokens (those an earlier request computed) rounded down to the engine's "
            f"block size ({'/'.join(map(str, blocks)) or 'not reported'} tokens).", "",
@@ -241,6 +240,14 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     for title, fn in metrics_rows:
         out.append(f"| {title} | " + " | ".join(cell(s, fn) for _, s, _ in live) + " |")
     return out
+
+
+def answers_of(campaign: dict[str, Any]) -> str:
+    """What a campaign's agents send back as the previous answer: engine, seeded, or a trace's requests."""
+    source = (((campaign.get("scenarios") or {}).get("agents") or {}).get("source") or {})
+    if "generator" not in source:
+        return "trace"
+    return str((source["generator"] or {}).get("answers", "seeded"))
 
 
 def memory_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
