@@ -1,4 +1,4 @@
-"""`kvlab bench store|memory`: the connector's benchmarks, measured side by side in one run.
+"""`kvlab bench store|memory|overhead`: the connector's benchmarks, measured side by side in one run.
 
 store: the store's write and read GB/s against fio's O_DIRECT sequential limit on the
 same filesystem, side by side repeat by repeat (the median of the per-repeat ratios), and the
@@ -19,6 +19,8 @@ write always follows the same other job; each repeat's order is recorded.
 
 memory: the engine's RSS with kvlab (a 1 GiB ring, a working set ten times the ring)
 minus the same engine without a connector, same workload, same run.
+
+overhead (kvlab.bench_overhead): kvlab's decode rate and miss TTFT over baseline's.
 """
 
 from __future__ import annotations
@@ -36,12 +38,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlab import setups
+from kvlab import bench_overhead, setups
 from kvlab.client import complete
 from kvlab.engine import EngineServer, drop_page_cache
 from kvlab.fio import BLOCK_SIZES, run_fio
 from kvlab.fio import cleanup as fio_cleanup
-from kvlab.harness import results
+from kvlab.harness import metrics, results
 from kvlab.harness.memory import tree_usage
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.paths import state_dir
@@ -124,8 +126,8 @@ def bench_store(work: Path, repeats: int, size_mib: int, small_objects: int) -> 
         "read_ratio": statistics.median(read_ratios),
         "write_ratio": statistics.median(write_ratios),
         # How far the repeats spread: the drive's noise, which a reader weighs the medians by.
-        "read_ratio_quartiles": _quartiles(read_ratios),
-        "write_ratio_quartiles": _quartiles(write_ratios),
+        "read_ratio_quartiles": metrics.quartiles(read_ratios),
+        "write_ratio_quartiles": metrics.quartiles(write_ratios),
         "index_rebuild_s_100k": rebuild_s * (100_000 / max(1, found)),
         "index_rebuild_objects": found,
         "index_rebuild_cold_cache": cold,
@@ -135,14 +137,6 @@ def bench_store(work: Path, repeats: int, size_mib: int, small_objects: int) -> 
         "fio_jobs": jobs,
         "provenance": {**results.provenance(), "filesystem": results.filesystem(work)},
     }
-
-
-def _quartiles(xs: list[float]) -> list[float]:
-    """[first quartile, third quartile]; a single value stands for both."""
-    if len(xs) < 2:
-        return [xs[0], xs[0]] if xs else []
-    q = statistics.quantiles(xs, n=4, method="inclusive")
-    return [q[0], q[2]]
 
 
 # ---- memory -----------------------------------------------------------------------------
@@ -227,7 +221,7 @@ def bench_memory(work: Path, ring_bytes: int, working_set_factor: int, prompt_to
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="the connector's benchmarks (store throughput, memory bill)")
+    p = sub.add_parser("bench", help="the connector's benchmarks (store throughput, memory bill, overhead)")
     s = p.add_subparsers(dest="bench_command", required=True)
     st = s.add_parser("store", help="store GB/s against fio's O_DIRECT limit, interleaved; index rebuild time")
     # Each repeat runs the jobs in another order: 12 runs every order twice. On this project's
@@ -246,6 +240,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     me.add_argument("--workdir", type=Path, default=None)
     me.add_argument("--json", action="store_true")
     me.set_defaults(func=_memory)
+    bench_overhead.register(s)
 
 
 def _store(args: argparse.Namespace) -> int:

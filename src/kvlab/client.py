@@ -24,6 +24,8 @@ class Completion:
     cached_tokens: int | None
     text: str
     token_gaps_s: list[float] = field(default_factory=list)
+    # The generated token ids, where asked for (return_token_ids) and the engine sent them.
+    token_ids: list[int] | None = None
 
     @property
     def max_gap_s(self) -> float:
@@ -38,6 +40,7 @@ def complete(
     cache_salt: str | None = None,
     timeout_s: float = 1800,
     api_key: str | None = None,
+    return_token_ids: bool = False,
 ) -> Completion:
     url = urlparse(base_url)
     body: dict = {
@@ -52,6 +55,8 @@ def complete(
     }
     if cache_salt:
         body["cache_salt"] = cache_salt
+    if return_token_ids:  # vLLM's extension: each streamed choice carries its token ids
+        body["return_token_ids"] = True
     headers = {"Content-Type": "application/json"}
     if api_key is None:
         # The variable vLLM's own server reads for --api-key: a lab engine behind a key is
@@ -69,6 +74,7 @@ def complete(
     last = t0
     gaps: list[float] = []
     text: list[str] = []
+    ids: list[int] | None = None
     n_out = 0
     usage: dict = {}
     for raw in resp:
@@ -92,6 +98,10 @@ def complete(
             last = now
             n_out += 1
             text.append(choice["text"])
+            if choice.get("token_ids") is not None:
+                if ids is None:
+                    ids = []
+                ids.extend(choice["token_ids"])
     total = time.perf_counter() - t0
     conn.close()
     details = usage.get("prompt_tokens_details") or {}
@@ -103,4 +113,5 @@ def complete(
         cached_tokens=details.get("cached_tokens"),
         text="".join(text),
         token_gaps_s=gaps,
+        token_ids=ids,
     )

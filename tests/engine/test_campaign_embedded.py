@@ -1,10 +1,11 @@
 """A small version of the embedded campaign on the real vLLM CPU engine: raw records, report,
-plots and a summary that validates against kvlab.summary/1 (campaigns/ci-small.yml)."""
+plots and a summary that validates against kvlab.summary/2 (campaigns/ci-small.yml)."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,7 @@ def test_the_summary_validates_and_has_every_scenario(run: tuple[Path, Summary, 
     for name in c.setups:
         st = s.setups[name]
         assert st.recompute_samples == 1
+        assert st.restart_over_recompute is not None and st.warm_over_recompute is not None
         assert st.warm_restore_samples == c.scenarios.restore.warm_repeats
         assert st.restart_restore_samples == c.scenarios.restore.restart_repeats
         first, last = c.scenarios.sweep.average_rounds
@@ -55,6 +57,9 @@ def test_the_summary_validates_and_has_every_scenario(run: tuple[Path, Summary, 
 def test_kvlab_restores_the_prompt_and_baseline_recomputes_it(run: tuple[Path, Summary, campaign.Campaign]) -> None:
     _, s, c = run
     assert c.scenarios.restore
+    ref = s.recompute_reference
+    assert ref is not None and ref.setup == "baseline" and ref.samples == c.scenarios.restore.recompute_prompts >= 3
+    assert ref.tokens == c.scenarios.restore.tokens and ref.ttft_s
     chunk = c.engine["kv_chunk_tokens"]
     whole = c.scenarios.restore.tokens // chunk * chunk
     k, b = s.setups["kvlab"], s.setups["baseline"]
@@ -83,6 +88,46 @@ def test_the_tier_under_test_serves_the_sweep_and_the_returning_turns(
     for n, p in k.agents.items():
         assert p.returning_turn_hit_share and p.returning_turn_hit_share > 0.5, n
         assert b.agents[n].returning_turn_hit_share == 0  # no prefix caching, no tier: nothing cached
+        assert p.returning_reusable_hit_share is not None and p.returning_reusable_hit_share > 0, n
+        assert b.agents[n].returning_reusable_hit_share == 0, n
+    # the summary's sweep cells say what the records say
+    for setup in ("kvlab", "baseline"):
+        cell = s.setups[setup].sweep[str(longest)]
+        assert cell.rounds == last - first + 1 and cell.cached_tokens == statistics.median(cached[setup])
+
+
+def test_the_sweep_drops_the_page_cache_before_every_round_or_says_why_not(
+        run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    run_dir, s, c = run
+    assert c.scenarios.sweep and c.scenarios.sweep.drop_page_cache
+    sweep = [r for r in results.read_records(run_dir) if r.get("scenario") == "sweep" and "error" not in r]
+    assert sweep and all(isinstance(r["page_cache_dropped"], bool) for r in sweep)
+    refused = [r["page_cache_drop_error"] for r in sweep if not r["page_cache_dropped"]]
+    if os.geteuid() == 0:  # CI runs as root: every drop succeeds there
+        assert refused == []
+    first, last = c.scenarios.sweep.average_rounds
+    for setup in c.setups:
+        for length, cell in s.setups[setup].sweep.items():
+            dropped = [r for r in sweep if r["setup"] == setup and str(r["length"]) == length
+                       and first <= r["round"] <= last and r["page_cache_dropped"]]
+            assert cell.page_cache_dropped_rounds == len(dropped), (setup, length)
+
+
+def test_returning_turns_carry_the_engines_answers(run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    run_dir, s, c = run
+    assert c.scenarios.agents and c.scenarios.agents.source.generator
+    assert c.scenarios.agents.source.generator.answers == "engine"
+    recs = [r for r in results.read_records(run_dir) if r.get("scenario") == "agents" and r["kind"] == "request"]
+    by_turn = {(r["setup"], r["concurrency"], r["agent"], r["turn"]): r for r in recs}
+    for (setup, n, a, k), r in by_turn.items():
+        if k == 0:
+            assert r["reusable_tokens"] == 0 and "carried_answer_tokens" not in r
+            continue
+        prev = by_turn[setup, n, a, k - 1]
+        assert r["carried_answer_tokens"] == prev["output_tokens"] > 0
+        assert r["reusable_tokens"] == prev["prompt_tokens"] + prev["output_tokens"] - 1
+    for setup in c.setups:
+        assert s.setups[setup].block_size == 128  # the CPU engine's, from vLLM's cache config
 
 
 def test_the_report_has_every_table_and_plot(run: tuple[Path, Summary, campaign.Campaign]) -> None:

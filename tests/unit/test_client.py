@@ -26,9 +26,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        ids = body.get("return_token_ids")  # as vLLM: each streamed choice carries its token ids
         events = [
-            {"choices": [{"text": "a"}]},
-            {"choices": [{"text": "b"}]},
+            {"choices": [{"text": "a", **({"token_ids": [41]} if ids else {})}]},
+            {"choices": [{"text": "b", **({"token_ids": [42]} if ids else {})}]},
             {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2,
                                       "prompt_tokens_details": {"cached_tokens": 2}}},
         ]
@@ -65,3 +66,12 @@ def test_key_from_the_environment_reaches_the_engine(server, monkeypatch) -> Non
     assert _Handler.seen[-1]["auth"] == "Bearer s3cret"
     assert _Handler.seen[-1]["body"]["prompt"] == [1, 2, 3]
     assert _Handler.seen[-1]["body"]["cache_salt"] == "tenant-a"
+
+
+def test_the_generated_token_ids_come_back_where_asked_for(server, monkeypatch) -> None:
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    assert complete(url, "m", [1, 2, 3], max_tokens=2).token_ids is None
+    assert "return_token_ids" not in _Handler.seen[-1]["body"]
+    assert complete(url, "m", [1, 2, 3], max_tokens=2, return_token_ids=True).token_ids == [41, 42]
+    assert _Handler.seen[-1]["body"]["return_token_ids"] is True

@@ -5,8 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvlab.harness.campaign import GeneratorSource, MooncakeSource
-from kvlab.harness.sessions import coding_agent_sessions, mooncake_workload, token_ids
+from kvlab.harness.sessions import (
+    GeneratorSource,
+    MooncakeSource,
+    coding_agent_sessions,
+    mooncake_workload,
+    token_ids,
+)
 
 GEN = GeneratorSource(turns=4, system_tokens=100, first_user_tokens=10, tool_output_tokens=(20, 40),
                       assistant_tokens=(5, 10), output_tokens=(3, 6), think_time_s=(0.1, 0.2))

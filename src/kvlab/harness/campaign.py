@@ -10,38 +10,25 @@ import hashlib
 import posixpath
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kvlab import setups
+from kvlab.harness.campaign_base import CampaignError, FileField, Strict, resolve_file
+from kvlab.harness.sessions import AgentSource, agent_max_prompt_tokens, sha256_file
+
+__all__ = ["Campaign", "CampaignError", "FileRef", "load", "parse", "resolve_file", "shipment"]
 
 
-class CampaignError(ValueError):
-    """A campaign file a user wrote that cannot be used; the message is one line."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class _File:
-    """Marks a field whose value is a file the campaign reads on the host it runs on: absolute,
-    or relative to the campaign file's folder. `Campaign.files` finds every such field, so
-    whatever ships a campaign elsewhere (roles/bench_runner) ships these with it."""
-
-
-CampaignFile = Annotated[str, _File()]
-
-
-class TinyModel(_Strict):
+class TinyModel(Strict):
     """The locally generated KV-heavy random-weight model (`kvlab model tiny`)."""
 
     seed: int = 0
 
 
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     tiny: TinyModel | None = None
     path: str | None = Field(None, description="a model folder on the engine host (lab)")
     served_name: str = "kvlab-model"
@@ -56,12 +43,22 @@ class ModelSpec(_Strict):
         return self
 
 
-class RestoreScenario(_Strict):
-    """One long prompt: computed, restored after prefix-cache resets, then after restarts."""
+class RestoreScenario(Strict):
+    """One long prompt: computed, restored after prefix-cache resets, then after restarts.
+
+    Every engine first answers an unrelated warm-up request, so that no setup's compute pays
+    for the engine's first request; the recompute every restore is set against is timed on
+    one setup (`recompute_setup`, no cache) over `recompute_prompts` fresh prompts of the
+    same length, one reference for all (a single cold compute per setup is noise)."""
 
     setups: list[str] | None = Field(
         None, description="which of the campaign's setups run this scenario (default: all of them)")
     tokens: int = Field(gt=0)
+    warmup_tokens: int = Field(256, ge=1, description="the unrelated request each engine answers first")
+    recompute_prompts: int = Field(3, ge=1, description="fresh prompts of `tokens` timed on recompute_setup")
+    recompute_setup: str = Field(
+        "baseline", description="the setup (no cache) that times the recompute reference; by default baseline, "
+        "where it runs the restore (else no reference is timed)")
     warm_repeats: int = Field(3, ge=0)
     restart_repeats: int = Field(3, ge=0)
     output_tokens: int = Field(1, ge=1)
@@ -72,7 +69,7 @@ class RestoreScenario(_Strict):
         "the sweep and agents (fewer engine starts)")
 
 
-class SweepScenario(_Strict):
+class SweepScenario(Strict):
     """Context lengths x rounds of the same input; the mean of the chosen rounds."""
 
     setups: list[str] | None = Field(
@@ -83,6 +80,9 @@ class SweepScenario(_Strict):
     output_tokens: int = Field(16, ge=1)
     prefix_caching: bool = Field(False, description="the second seed turns vLLM's own prefix caching off")
     settle_s: float = Field(0.5, ge=0)
+    drop_page_cache: bool = Field(
+        False, description="drop the page cache before every round, so that a file-backed tier reads from its "
+        "drive and not from host RAM (needs root; a refused drop is recorded)")
 
     @field_validator("lengths")
     @classmethod
@@ -99,49 +99,7 @@ class SweepScenario(_Strict):
         return self
 
 
-class GeneratorSource(_Strict):
-    """Seeded coding-agent-like sessions: a growing context, tool outputs, think time."""
-
-    turns: int = Field(6, ge=2)
-    system_tokens: int = Field(1024, ge=1)
-    first_user_tokens: int = Field(128, ge=1)
-    tool_output_tokens: tuple[int, int] = (256, 1024)
-    assistant_tokens: tuple[int, int] = (32, 128)
-    output_tokens: tuple[int, int] = (32, 128)
-    think_time_s: tuple[float, float] = (0.5, 2.0)
-
-    @field_validator("tool_output_tokens", "assistant_tokens", "output_tokens", "think_time_s")
-    @classmethod
-    def _range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if v[0] < 0 or v[0] > v[1]:
-            raise ValueError(f"a range is [low, high] with 0 <= low <= high, got {list(v)}")
-        return v
-
-
-class MooncakeSource(_Strict):
-    """A trace in the Mooncake format; equal hash ids become equal token blocks."""
-
-    path: CampaignFile
-    start: int = Field(0, ge=0, description="first line replayed (0-based)")
-    limit: int = Field(50, ge=1, description="lines replayed")
-    block_tokens: int = Field(32, ge=1, description="tokens per hash id here (the trace's own: 512)")
-    trace_block_tokens: int = Field(512, ge=1)
-    time_scale: float = Field(0.1, ge=0, description="seconds here per second of the trace (timestamps are ms)")
-    max_output_tokens: int = Field(32, ge=1)
-
-
-class AgentSource(_Strict):
-    generator: GeneratorSource | None = None
-    mooncake: MooncakeSource | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> AgentSource:
-        if (self.generator is None) == (self.mooncake is None):
-            raise ValueError("give exactly one of 'generator: {...}' or 'mooncake: {...}'")
-        return self
-
-
-class AgentsScenario(_Strict):
+class AgentsScenario(Strict):
     """N concurrent agents replay multi-turn sessions while new turns are written."""
 
     setups: list[str] | None = Field(
@@ -162,24 +120,24 @@ class AgentsScenario(_Strict):
         return v
 
 
-class Scenarios(_Strict):
+class Scenarios(Strict):
     restore: RestoreScenario | None = None
     sweep: SweepScenario | None = None
     agents: AgentsScenario | None = None
 
 
-class MemorySampling(_Strict):
+class MemorySampling(Strict):
     interval_s: float = Field(0.5, gt=0)
 
 
-class Variant(_Strict):
+class Variant(Strict):
     """A lab parameter set the whole campaign repeats under (seed: storage link 100/400/800 Gb/s)."""
 
     name: str
     inventory_vars: dict[str, Any] = Field(default_factory=dict)
 
 
-class Campaign(_Strict):
+class Campaign(Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
     description: str = ""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -230,6 +188,13 @@ class Campaign(_Strict):
                 if stray:
                     raise ValueError(f"scenarios.{name}.setups: {', '.join(stray)} not in the campaign's setups "
                                      f"({', '.join(self.setups)}): add it there or drop it here")
+        # The default (baseline) times the reference where it runs the restore, and no reference
+        # is timed where it does not; a setup named on purpose must run it.
+        if (s.restore is not None and "recompute_setup" in s.restore.model_fields_set
+                and s.restore.recompute_setup not in (s.restore.setups or self.setups)):
+            raise ValueError(f"scenarios.restore.recompute_setup: {s.restore.recompute_setup} does not run the "
+                             "restore scenario: add it to the campaign's (and restore's) setups, or name one "
+                             "without a cache that does")
         idle = [x for x in self.setups if not self.scenarios_for(x)]
         if idle:
             raise ValueError(f"setup(s) {', '.join(idle)} run no scenario: list them in a scenario's setups "
@@ -249,8 +214,6 @@ class Campaign(_Strict):
 
     def max_prompt_tokens(self, base: Path | None = None) -> int:
         """The longest prompt any scenario sends (bounds max_model_len and the batch)."""
-        from kvlab.harness.sessions import agent_max_prompt_tokens
-
         s = self.scenarios
         n = 0
         if s.restore:
@@ -271,19 +234,10 @@ class FileRef:
     path: Path
 
 
-def resolve_file(value: str, base: Path | None) -> Path:
-    """A campaign's file: absolute; relative to the working folder where it exists there;
-    else relative to the campaign file's folder (`base`)."""
-    p = Path(value)
-    if not p.is_absolute() and base is not None and not p.exists():
-        p = base / p
-    return p
-
-
 def _file_fields(m: BaseModel, loc: str) -> Iterator[tuple[str, str]]:
     for name, info in type(m).model_fields.items():
         value, where = getattr(m, name), f"{loc}.{name}" if loc else name
-        if any(isinstance(x, _File) for x in info.metadata):
+        if any(isinstance(x, FileField) for x in info.metadata):
             if value is not None:
                 yield where, value
         elif isinstance(value, BaseModel):
@@ -301,8 +255,6 @@ def shipment(path: Path) -> dict[str, Any]:
 
     Raises CampaignError naming the field for a file that is missing, or that a copy beside
     the campaign could not keep valid (absolute, or outside the campaign's folder)."""
-    from kvlab.harness.sessions import sha256_file
-
     c, sha = load(path)
     out = {"campaign": {"field": "(the campaign)", "value": str(path), "src": str(path.resolve()),
                         "dest": path.name, "sha256": sha},

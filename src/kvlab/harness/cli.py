@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     rep = sub.add_parser("report", help="render a campaign run's tables and plots; several runs side by side")
     rep.add_argument("runs", nargs="+", type=Path, help="results/runs/<run-id> (or results/runs/latest)")
-    rep.add_argument("--summary-json", action="store_true", help="print the summary (kvlab.summary/1) as JSON")
+    rep.add_argument("--summary-json", action="store_true", help="print the summary (kvlab.summary/2) as JSON")
     rep.add_argument("--out", type=Path, help="where a side-by-side report of several runs goes")
     rep.add_argument("--check", action="store_true", help="validate each run's report/summary.json against the schema")
     rep.set_defaults(func=_report)
@@ -148,7 +148,7 @@ def _engines(args: argparse.Namespace) -> Engines | None:
 def _report(args: argparse.Namespace) -> int:
     from kvlab.cli import UserError
     from kvlab.harness.report import load_run, render, render_run
-    from kvlab.harness.summary import to_json_obj, validate
+    from kvlab.harness.summary import SCHEMA, to_json_obj, validate
 
     runs = []
     for r in args.runs:
@@ -160,7 +160,7 @@ def _report(args: argparse.Namespace) -> int:
             if args.check:
                 # the summary as written in report/ (regenerated just above for a single run)
                 validate(json.loads((r / "report" / "summary.json").read_text()))
-                print(f"{r}: report/summary.json validates against kvlab.summary/1", file=sys.stderr)
+                print(f"{r}: report/summary.json validates against {SCHEMA}", file=sys.stderr)
         except (FileNotFoundError, NotADirectoryError) as e:
             raise UserError(str(e)) from None
         except ValueError as e:

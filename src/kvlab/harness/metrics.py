@@ -2,7 +2,8 @@
 
 - frozen answers: answers whose longest gap between streamed tokens exceeds a threshold
 - rounds averaging: the mean of rounds first..last (1-based, inclusive; the seed: 2-9 of 10)
-- hit shares of returning turns: of turns (the seed's count) and of prompt tokens
+- hit shares of returning turns: of turns (the seed's count), of prompt tokens, and of the
+  reusable tokens a block-granular cache could return at best
 - percentiles: linear interpolation between closest ranks (numpy's default)
 - improvement factors: baseline / setup for times, setup / baseline for rates
 """
@@ -43,6 +44,14 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
+
+
+def quartiles(values: Sequence[float]) -> list[float]:
+    """[first quartile, third quartile] (inclusive method); a single value stands for both."""
+    if len(values) < 2:
+        return [values[0], values[0]] if values else []
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return [q[0], q[2]]
 
 
 def improvement(baseline: float | None, value: float | None, higher_is_better: bool) -> float | None:
@@ -86,6 +95,24 @@ def token_hit_share(turns: Iterable[Turn]) -> float | None:
     if total == 0:
         return None
     return sum(min(t.cached_tokens, t.prompt_tokens) for t in ret) / total
+
+
+def block_aligned_reusable(turn: Turn, block_size: int) -> int:
+    """The most a block-granular cache can return for this turn: its reusable prefix, less
+    the prompt's last token (vLLM always computes that one), rounded down to whole blocks."""
+    return min(turn.reusable_tokens, turn.prompt_tokens - 1) // block_size * block_size
+
+
+def reusable_hit_share(turns: Iterable[Turn], block_size: int | None) -> float | None:
+    """Tokens restored / block-aligned reusable tokens, over returning turns (each turn's
+    restored tokens capped at its own bound, so 1.0 is the best any block-granular cache does)."""
+    if not block_size or block_size <= 0:
+        return None
+    bounds = [(t, block_aligned_reusable(t, block_size)) for t in returning(turns)]
+    total = sum(b for _, b in bounds)
+    if total == 0:
+        return None
+    return sum(min(t.cached_tokens, b) for t, b in bounds) / total
 
 
 def decode_rate(output_tokens: int, ttft_s: float, total_s: float) -> float | None:

@@ -71,13 +71,12 @@ def columns(runs: list[RunData]) -> list[tuple[str, SetupSummary, RunData]]:
 
 
 def restore_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
-    rows = ["| setup | I/O mode | recompute s | warm restore s | after restart s | cached tokens warm / restart "
+    rows = ["| setup | I/O mode | compute s | warm restore s | after restart s | cached tokens warm / restart "
             "| read MiB per restart | restart ÷ recompute |", "|---|---|---|---|---|---|---|---|"]
     for label, s, _ in cols:
         if s.skipped:
             continue
-        ratio = (s.restart_restore_ttft_s / s.recompute_ttft_s
-                 if s.restart_restore_ttft_s and s.recompute_ttft_s else None)
+        ratio = s.restart_over_recompute
         rows.append(
             f"| {label} | {s.io_mode or 'not reported'} | {f3(s.recompute_ttft_s)} (×{s.recompute_samples}) "
             f"| {f3(s.warm_restore_ttft_s)} (×{s.warm_restore_samples}) "
@@ -105,6 +104,20 @@ LMCACHE_BREAKDOWN_NOTE = [
     "of the chunks before its answer, the scheduler's steps between lookup, load and compute, and HTTP. Empty "
     "where vLLM's timers do not show those phases as disjoint.",
 ]
+
+
+def reference_lines(runs: list[RunData]) -> list[str]:
+    out = []
+    for r in runs:
+        ref = r.summary.recompute_reference
+        where = f" ({r.run_id})" if len(runs) > 1 else ""
+        if ref is None:
+            out.append(f"No recompute reference{where}: restart ÷ recompute is not given.")
+        else:
+            out.append(f"Recompute reference{where}: {f3(ref.ttft_s)} s, the median of {ref.samples} fresh "
+                       f"{ref.tokens}-token prompts on {ref.setup}'s warm engine; every setup's restart ÷ "
+                       "recompute divides by it.")
+    return out + [""]
 
 
 def lmcache_breakdown_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
@@ -162,9 +175,33 @@ def sweep_tables(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
                 cells.append("—" if p is None else f3(getattr(p, key), digits))
             out.append(f"| {n} | " + " | ".join(cells) + " |")
         out.append("")
+    out += ["**Prompt tokens found in the cache, median of the averaged rounds**", "", head, sep]
+    for n in lengths:
+        cells = []
+        for _, s in live:
+            p = s.sweep.get(str(n))
+            cells.append("—" if p is None else f3(p.cached_tokens, 0))
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out.append("")
     samples = {p.samples for _, s in live for p in s.sweep.values()}
-    out.append(f"Rounds averaged per cell: {', '.join(map(str, sorted(samples)))}.")
+    out.append(f"Rounds averaged per cell: {', '.join(map(str, sorted(samples)))}. " + page_cache_line(live))
     return out
+
+
+def page_cache_line(live: list[tuple[str, SetupSummary]]) -> str:
+    """Whether each averaged round read its tier from the drive or possibly from host RAM."""
+    cells = [p for _, s in live for p in s.sweep.values() if p.rounds]
+    dropped = sum(p.page_cache_dropped_rounds for p in cells)
+    rounds = sum(p.rounds for p in cells)
+    if dropped == 0:
+        return ("The page cache was not dropped between rounds: a file-backed tier may have been read from "
+                "host RAM, not from its drive.")
+    if dropped == rounds:
+        return "The page cache was dropped before every averaged round: every file-backed tier read from its drive."
+    short = [f"{label} {n}: {p.page_cache_dropped_rounds}/{p.rounds}" for label, s in live
+             for n, p in s.sweep.items() if p.page_cache_dropped_rounds < p.rounds]
+    return (f"The page cache was dropped before {dropped} of {rounds} averaged rounds (a drop can be refused: not "
+            f"root, read-only /proc); not before every one in {', '.join(short)}: those may have read from RAM.")
 
 
 def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
@@ -182,6 +219,7 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
         ("Decode rate per agent, tokens/s", lambda p: f3(p.decode_tok_s_per_agent, 1)),
         ("Returning turns found in the cache", lambda p: pct(p.returning_turn_hit_share)),
         ("Prompt tokens of returning turns from the cache", lambda p: pct(p.returning_token_hit_share)),
+        ("Reusable tokens restored, of the block-aligned best", lambda p: pct(p.returning_reusable_hit_share)),
         ("First token of a returning turn, median, s", lambda p: f3(p.returning_ttft_median_s, 2)),
         ("First token of a returning turn, p90, s", lambda p: f3(p.returning_ttft_p90_s, 2)),
         ("First token of a returning turn, p99, s", lambda p: f3(p.returning_ttft_p99_s, 2)),
@@ -190,11 +228,26 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
         ("Answers · returning · failed", lambda p: f"{p.answers}·{p.samples}·{p.errors}"),
         ("External prefix-cache hits, tokens", lambda p: f3(p.external_hit_tokens, 0)),
     ]
-    out = [f"At N = {' / '.join(map(str, ns))} concurrent agents.", "",
+    blocks = sorted({s.block_size for _, s, _ in live if s.block_size})
+    answers = sorted({answers_of(r.campaign) for _, _, r in live})
+    carried = {("engine",): "each next turn carries the tokens the engine generated for the previous one",
+               ("seeded",): "each next turn carries a seeded reply, not the engine's answer",
+               ("trace",): "requests replayed from a trace"}.get(tuple(answers), f"answers: {'/'.join(answers)}")
+    out = [f"At N = {' / '.join(map(str, ns))} concurrent agents; {carried}. The block-aligned best is each "
+           "returning turn's reusable tokens (those an earlier request computed) rounded down to the engine's "
+           f"block size ({'/'.join(map(str, blocks)) or 'not reported'} tokens).", "",
            "| Metric | " + " | ".join(label for label, _, _ in live) + " |", "|---|" + "---|" * len(live)]
     for title, fn in metrics_rows:
         out.append(f"| {title} | " + " | ".join(cell(s, fn) for _, s, _ in live) + " |")
     return out
+
+
+def answers_of(campaign: dict[str, Any]) -> str:
+    """What a campaign's agents send back as the previous answer: engine, seeded, or a trace's requests."""
+    source = (((campaign.get("scenarios") or {}).get("agents") or {}).get("source") or {})
+    if "generator" not in source:
+        return "trace"
+    return str((source["generator"] or {}).get("answers", "seeded"))
 
 
 def memory_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
@@ -292,17 +345,25 @@ def plot_restore(cols: list[tuple[str, SetupSummary, RunData]], out: Path) -> li
     if not live:
         return []
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    kinds = (("recompute", "recompute_ttft_s"), ("warm restore", "warm_restore_ttft_s"),
+    # Horizontal bars: the setups' names (lmcache-mp+kvlab-detached, ...) are read along
+    # the y axis, one line each, however many setups there are.
+    kinds = (("compute (with its save)", "recompute_ttft_s"), ("warm restore", "warm_restore_ttft_s"),
              ("after restart", "restart_restore_ttft_s"))
-    width = 0.8 / len(kinds)
+    height = 0.8 / len(kinds)
+    fig, ax = plt.subplots(figsize=(8, 2.0 + 0.75 * len(live)))
     for i, (name, key) in enumerate(kinds):
-        ys = [getattr(s, key) or 0 for _, s in live]
-        ax.bar([j + i * width for j in range(len(live))], ys, width, label=name)
-    ax.set_xticks([j + width for j in range(len(live))], [label for label, _ in live])
-    ax.set_ylabel("TTFT at the client, s (median)")
-    ax.set_title("One long prompt: recompute, warm restore, restore after restart")
-    ax.legend()
+        xs = [getattr(s, key) or 0 for _, s in live]
+        ax.barh([j + i * height for j in range(len(live))], xs, height, label=name)
+    ax.set_yticks([j + height for j in range(len(live))], [label for label, _ in live])
+    ax.invert_yaxis()  # the campaign's order, top to bottom
+    refs = {id(r): r.summary.recompute_reference for _, _, r in cols}
+    for ref in refs.values():
+        if ref and ref.ttft_s:
+            ax.axvline(ref.ttft_s, color="black", ls="--", lw=1,
+                       label=f"recompute reference ({ref.setup}, median of {ref.samples})")
+    ax.set_xlabel("TTFT at the client, s (median)")
+    ax.set_title("One long prompt: compute, warm restore, restore after restart")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)  # below: no bar hidden
     fig.tight_layout()
     fig.savefig(out / "restore.png", dpi=110)
     plt.close(fig)
@@ -398,9 +459,10 @@ def render(runs: list[RunData], out: Path) -> Path:
                 else "the prompt again on the running engine, whose own prefix caching is off (so it comes "
                 "from the tier under test)")
         lines += [f"Prompt of {', '.join(map(str, sorted(tokens)))} tokens; TTFT at the client (median, ×samples). "
-                  f"Recompute: the first request. Warm: {warm}. After restart: the first request to a restarted "
-                  "engine (page cache dropped while it was down).", ""]
-        lines += restore_table(cols)
+                  "Every engine life answers an unrelated warm-up request first. Compute: the prompt's first "
+                  f"request on the setup (computed, and saved where the setup saves). Warm: {warm}. After restart: "
+                  "the prompt's first request to a restarted engine (page cache dropped while it was down).", ""]
+        lines += reference_lines(runs) + restore_table(cols)
         breakdown = lmcache_breakdown_table(cols)
         if breakdown:
             lines += ["", "### LMCache restore breakdown", "", *LMCACHE_BREAKDOWN_NOTE, ""] + breakdown

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvlab import setups
-from kvlab.engine import EngineError, EngineServer, drop_page_cache
+from kvlab.engine import EngineError, EngineServer
 from kvlab.harness import results, scenarios
 from kvlab.harness.campaign import Campaign, CampaignError
 from kvlab.harness.memory import MemorySampler
@@ -208,11 +208,13 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
         try:
             progress.advance(p.setup, f"engine start (prefix caching {'on' if prefix_caching else 'off'})")
             if sc.restore and "restore" in names and sc.restore.drop_page_cache:  # a cold first start too
-                drop_page_cache()
+                target.drop_page_cache("the first engine start")
             with sampler:
                 restart()
                 mode = target.io_mode()
                 writer.append({"kind": "io_mode", "setup": p.setup, "io_mode": mode})
+                # What the block-aligned hit shares round to (vLLM's CacheConfig, as served).
+                writer.append({"kind": "engine_config", "setup": p.setup, "block_size": target.block_size()})
                 for name in names:
                     if name == "restore":
                         assert sc.restore

@@ -8,19 +8,21 @@ are written. The memory scenario is the sampler that runs through all of them.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.client import Completion, complete
-from kvlab.engine import EngineServer, drop_page_cache, metric_sum, parse_prometheus
+from kvlab.engine import EngineServer, metric_sum, parse_prometheus
 from kvlab.harness import metrics
 from kvlab.harness.campaign import AgentsScenario, RestoreScenario, SweepScenario
+from kvlab.harness.pagecache import drop_page_cache
 from kvlab.harness.sessions import TurnSpec, Workload, token_ids
 
 Sink = Callable[[dict[str, Any]], None]
@@ -63,6 +65,7 @@ class Target:
     sink: Sink
     note: Note
     set_phase: Callable[[str], None]
+    _drop_refusals: set[str] = field(default_factory=set)
 
     def counters(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -132,6 +135,21 @@ class Target:
         """The I/O mode the connector reports; None if it reports none."""
         return io_mode_of(self.connector_metrics())
 
+    def block_size(self) -> int | None:
+        """The engine's KV block size in tokens, from its cache config; None if not served."""
+        try:
+            return block_size_of(self.server.metrics())
+        except (OSError, urllib.error.URLError):
+            return None
+
+    def drop_page_cache(self, why: str) -> str | None:
+        """Drop the page cache; None when dropped, else the reason (noted once per reason)."""
+        refused = drop_page_cache()
+        if refused is not None and refused not in self._drop_refusals:
+            self._drop_refusals.add(refused)
+            self.note(f"{self.setup}: page cache not dropped ({why} may read from RAM): {refused}")
+        return refused
+
 
 def io_mode_of(connector_metrics: dict[str, float]) -> str | None:
     """The mode in kvlab's kvlab_io_mode_info{mode=...} gauge (posix-odirect, gds, gds-compat, ...)."""
@@ -140,6 +158,21 @@ def io_mode_of(connector_metrics: dict[str, float]) -> str | None:
             label = key.split('mode="', 1)[-1].split('"', 1)[0]
             return label or None
     return None
+
+
+def block_size_of(engine_metrics: dict[str, float]) -> int | None:
+    """The block_size label of vLLM's vllm:cache_config_info gauge (its CacheConfig)."""
+    for key in engine_metrics:
+        if key.startswith("vllm:cache_config_info{"):
+            m = re.search(r'[{,]block_size="(\d+)"', key)
+            if m:
+                return int(m[1])
+    return None
+
+
+def page_cache_fields(refused: str | None) -> dict[str, Any]:
+    """A measured request's record of the drop before it: dropped, and if not, why not."""
+    return {"page_cache_dropped": refused is None, **({"page_cache_drop_error": refused} if refused else {})}
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -152,14 +185,15 @@ def completion_fields(c: Completion) -> dict[str, Any]:
 
 
 def measured(t: Target, prompt: list[int] | tuple[int, ...], max_tokens: int, base: dict[str, Any],
-             with_counters: bool = True, phases: bool = False) -> Completion | None:
+             with_counters: bool = True, phases: bool = False, token_ids: bool = False) -> Completion | None:
     """One request, recorded with the counters' change over it (when nothing else runs);
-    with phases, an LMCache MP setup's restore phases too (`lmcache`)."""
+    with phases, an LMCache MP setup's restore phases too (`lmcache`); with token_ids, the
+    Completion carries the generated token ids (not recorded: the next prompt holds them)."""
     before = t.counters() if with_counters else {}
     lm = t.lmcache_scrape() if phases and t.uses_lmcache_mp() else None
     t0 = time.time()
     try:
-        c = complete(t.server.base_url, t.model, list(prompt), max_tokens)
+        c = complete(t.server.base_url, t.model, list(prompt), max_tokens, return_token_ids=token_ids)
     except Exception as e:  # a failed request is a result too: recorded, never hidden
         t.sink({**base, "kind": "request", "setup": t.setup, "t_start": t0, "t_end": time.time(),
                 "error": f"{type(e).__name__}: {e}"[:500]})
@@ -180,10 +214,20 @@ def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], flo
     base = {"scenario": "restore", "tokens": sc.tokens}
     step("restore: compute")
     t.set_phase("restore:compute")
+    warm_up(t, sc, seed, 0)
     c = measured(t, prompt, sc.output_tokens, {**base, "phase": "compute"}, phases=True)
     if c:
         t.note(f"{t.setup}: computed {sc.tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
     time.sleep(sc.settle_s)  # saves are asynchronous: let the last writes land
+    if t.setup == sc.recompute_setup:
+        # The one recompute every setup's restores are set against: fresh prompts of the
+        # same length on a warm engine without a cache.
+        for i in range(sc.recompute_prompts):
+            fresh = token_ids(f"{seed}:restore:recompute{i}", sc.tokens)
+            c = measured(t, fresh, sc.output_tokens, {**base, "phase": "recompute", "repeat": i})
+            if c:
+                t.note(f"{t.setup}: recompute reference {i + 1}/{sc.recompute_prompts}: {c.ttft_s:.3f} s "
+                       f"(cached {c.cached_tokens})")
     warm_repeats = sc.warm_repeats
     if warm_repeats and sc.prefix_caching and not t.server.deployment.serves_dev_routes:
         # Never through an open port: dev routes check no API key, so a network-bound engine has none.
@@ -204,28 +248,33 @@ def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], flo
     for i in range(sc.restart_repeats):
         step(f"restore: restart {i + 1}/{sc.restart_repeats}")
         t.set_phase("restore:restart")
-        dropped = None
-        start_s = restart_with_drop(t, restart, sc.drop_page_cache)
-        if sc.drop_page_cache:
-            dropped = start_s[1]
+        start_s, refused = restart_with_drop(t, restart, sc.drop_page_cache)
+        warm_up(t, sc, seed, i + 1)  # its prompt shares nothing with the restored one
+        drop = page_cache_fields(refused) if sc.drop_page_cache else {"page_cache_dropped": None}
         c = measured(t, prompt, sc.output_tokens,
-                     {**base, "phase": "restart", "repeat": i, "engine_start_s": start_s[0],
-                      "page_cache_dropped": dropped}, phases=True)
+                     {**base, "phase": "restart", "repeat": i, "engine_start_s": start_s, **drop}, phases=True)
         if c:
             t.note(f"{t.setup}: restore after restart {c.ttft_s:.3f} s (cached {c.cached_tokens})")
         time.sleep(sc.settle_s)
 
 
-def restart_with_drop(t: Target, restart: Callable[[], float], drop: bool) -> tuple[float, bool | None]:
-    """Restart the engine; with drop, the page cache is dropped while it is down."""
+def warm_up(t: Target, sc: RestoreScenario, seed: int, life: int) -> None:
+    """An engine life's first request, unrelated to the restored prompt (recorded as `warmup`),
+    so that no measured request pays for the engine's first one."""
+    measured(t, token_ids(f"{seed}:restore:warmup{life}", sc.warmup_tokens), 1,
+             {"scenario": "restore", "phase": "warmup", "repeat": life, "tokens": sc.warmup_tokens},
+             with_counters=False)
+
+
+def restart_with_drop(t: Target, restart: Callable[[], float], drop: bool) -> tuple[float, str | None]:
+    """Restart the engine; with drop, the page cache is dropped while it is down. The start's
+    seconds, and why the drop was refused (None: dropped, or not asked)."""
     server = t.server
     server.engine.stop()
     if server.companion and not server.deployment.companion_survives_engine_restart:
         server.companion.stop()
-    dropped = drop_page_cache() if drop else None
-    if drop and not dropped:
-        t.note("cannot drop the page cache (not root?): restores after restart may read from RAM")
-    return restart(), dropped
+    refused = t.drop_page_cache("restores after restart") if drop else None
+    return restart(), refused
 
 
 # ---- sweep -----------------------------------------------------------------------------
@@ -236,7 +285,8 @@ def sweep(t: Target, sc: SweepScenario, seed: int, step: Callable[[str], None]) 
         t.set_phase(f"sweep:{length}")
         ttfts = []
         for r in range(1, sc.rounds + 1):
-            c = measured(t, prompt, sc.output_tokens, {"scenario": "sweep", "length": length, "round": r})
+            drop = page_cache_fields(t.drop_page_cache("sweep rounds")) if sc.drop_page_cache else {}
+            c = measured(t, prompt, sc.output_tokens, {"scenario": "sweep", "length": length, "round": r, **drop})
             if c:
                 ttfts.append(c.ttft_s)
             time.sleep(sc.settle_s)
@@ -253,6 +303,9 @@ def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
     t0_wall = time.time()
 
     def run_agent(a: int, turns: tuple[TurnSpec, ...]) -> None:
+        carries = any(turn.after_answer for turn in turns)
+        previous: tuple[int, ...] | None = None  # the session's last prompt, while its answer is known
+        answer: tuple[int, ...] = ()
         for turn in turns:
             if turn.at_s is not None:
                 wait = t0 + turn.at_s - time.perf_counter()
@@ -260,11 +313,23 @@ def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
                     time.sleep(wait)
             elif turn.think_s:
                 time.sleep(turn.think_s)
-            measured(t, turn.prompt, turn.max_tokens,
-                     {"scenario": "agents", "concurrency": n, "agent": a, "session": turn.session,
-                      "turn": turn.index, "reusable_tokens": turn.reusable_tokens,
-                      "frozen_threshold_s": sc.frozen_threshold_s},
-                     with_counters=False)
+            base = {"scenario": "agents", "concurrency": n, "agent": a, "session": turn.session,
+                    "turn": turn.index, "frozen_threshold_s": sc.frozen_threshold_s}
+            if turn.after_answer and previous is None:
+                t.sink({**base, "kind": "request", "setup": t.setup, "t_start": time.time(), "t_end": time.time(),
+                        "error": "not sent: the session's previous turn has no answer to carry"})
+                continue
+            prompt, reusable = turn.sent(previous, answer)
+            carried = {"carried_answer_tokens": len(answer)} if turn.after_answer else {}
+            c = measured(t, prompt, turn.max_tokens, {**base, "reusable_tokens": reusable, **carried},
+                         with_counters=False, token_ids=carries)
+            previous, answer = None, ()
+            if c is not None and carries:
+                if c.token_ids is None:
+                    t.note(f"{t.setup}: agent {a}: the engine sent no token ids back (return_token_ids): "
+                           "its next turn cannot carry the answer")
+                else:
+                    previous, answer = tuple(prompt), tuple(c.token_ids)
 
     threads = [threading.Thread(target=run_agent, args=(a, turns), name=f"agent{a}", daemon=True)
                for a, turns in enumerate(wl.agents)]
@@ -275,5 +340,6 @@ def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
     wall = time.perf_counter() - t0
     t.sink({"kind": "step", "scenario": "agents", "setup": t.setup, "concurrency": n, "wall_s": wall,
             "t_start": t0_wall, "turns": len(wl.turns), "frozen_threshold_s": sc.frozen_threshold_s,
-            "hit_min_fraction": sc.hit_min_fraction, "counters": delta(t.counters(), before)})
+            "hit_min_fraction": sc.hit_min_fraction, "counters": delta(t.counters(), before),
+            "answers": sc.source.generator.answers if sc.source.generator else None})
     t.note(f"{t.setup}: {n} agents, {len(wl.turns)} turns in {wall:.1f} s")

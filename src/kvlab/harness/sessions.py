@@ -2,8 +2,11 @@
 
 Prompts are token ids, reproducible from the seed: a prompt's blocks are exact, so two
 prompts share KV exactly where they share a prefix. Every turn knows how many of its
-leading tokens were already sent earlier (`reusable_tokens`): that is what a cache can
-return, and what the hit shares are measured against.
+leading tokens an earlier request already computed (`reusable_tokens`): that is what a
+cache can return, and what the hit shares are measured against.
+
+The sources (GeneratorSource, MooncakeSource) are defined here, beside what they generate;
+the campaign names them and imports them from here, never the other way round.
 """
 
 from __future__ import annotations
@@ -13,11 +16,63 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from kvlab.harness.campaign import AgentSource, CampaignError, GeneratorSource, MooncakeSource, resolve_file
+from pydantic import Field, field_validator, model_validator
+
+from kvlab.harness.campaign_base import CampaignError, CampaignFile, Strict, resolve_file
 
 # Ids below 16 are left to special tokens; 8000 fits the tiny model's vocabulary and any real one.
 TOKEN_LOW, TOKEN_HIGH = 16, 8000
+
+
+
+# ---- the sources a campaign names (its `agents.source`) ---------------------------------
+class GeneratorSource(Strict):
+    """Seeded coding-agent-like sessions: a growing context, tool outputs, think time."""
+
+    turns: int = Field(6, ge=2)
+    system_tokens: int = Field(1024, ge=1)
+    first_user_tokens: int = Field(128, ge=1)
+    tool_output_tokens: tuple[int, int] = (256, 1024)
+    assistant_tokens: tuple[int, int] = Field(
+        (32, 128), description="length of each seeded reply (answers: seeded only)")
+    output_tokens: tuple[int, int] = (32, 128)
+    think_time_s: tuple[float, float] = (0.5, 2.0)
+    answers: Literal["seeded", "engine"] = Field(
+        "seeded", description="seeded: each next turn carries a seeded reply in place of the answer, so every "
+        "prompt is known before the run; engine: it carries the tokens the engine generated for the previous "
+        "turn, as an agent framework sends them back")
+
+    @field_validator("tool_output_tokens", "assistant_tokens", "output_tokens", "think_time_s")
+    @classmethod
+    def _range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if v[0] < 0 or v[0] > v[1]:
+            raise ValueError(f"a range is [low, high] with 0 <= low <= high, got {list(v)}")
+        return v
+
+
+class MooncakeSource(Strict):
+    """A trace in the Mooncake format; equal hash ids become equal token blocks."""
+
+    path: CampaignFile
+    start: int = Field(0, ge=0, description="first line replayed (0-based)")
+    limit: int = Field(50, ge=1, description="lines replayed")
+    block_tokens: int = Field(32, ge=1, description="tokens per hash id here (the trace's own: 512)")
+    trace_block_tokens: int = Field(512, ge=1)
+    time_scale: float = Field(0.1, ge=0, description="seconds here per second of the trace (timestamps are ms)")
+    max_output_tokens: int = Field(32, ge=1)
+
+
+class AgentSource(Strict):
+    generator: GeneratorSource | None = None
+    mooncake: MooncakeSource | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> AgentSource:
+        if (self.generator is None) == (self.mooncake is None):
+            raise ValueError("give exactly one of 'generator: {...}' or 'mooncake: {...}'")
+        return self
 
 
 def token_ids(key: str, n: int) -> list[int]:
@@ -35,6 +90,22 @@ class TurnSpec:
     think_s: float = 0.0  # pause after the session's previous turn (agents think, tools run)
     at_s: float | None = None  # or: send at this offset from the step's start (trace replay)
     reusable_tokens: int = 0
+    # answers: engine. `prompt` is only what this turn sends after the previous turn's prompt
+    # and the engine's answer to it (the tool's output): the whole prompt, and how much of it
+    # is reusable, are known once that answer is (`sent`).
+    after_answer: bool = False
+
+    def sent(self, previous_prompt: tuple[int, ...] | None, answer: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        """The prompt this turn sends and its reusable tokens, given the session's previous
+        prompt and the tokens the engine generated for it (unused unless after_answer)."""
+        if not self.after_answer:
+            return self.prompt, self.reusable_tokens
+        if previous_prompt is None:
+            raise ValueError(f"turn {self.index} of session {self.session} carries the previous answer, "
+                             "and there is none")
+        # The engine computed KV for the previous prompt and for every answer token but the
+        # last: that one was sampled and never fed through the model.
+        return previous_prompt + answer + self.prompt, len(previous_prompt) + max(0, len(answer) - 1)
 
 
 @dataclass(frozen=True)
@@ -53,10 +124,13 @@ def coding_agent_sessions(src: GeneratorSource, n_agents: int, seed: int, step: 
 
     The system prompt is shared by the step's agents (as a coding agent's is); turn k's
     prompt extends turn k-1's by the assistant's reply and a tool's output, so everything
-    turn k-1 sent is reusable. The replies are seeded tokens, not the model's output, so the
-    prompts stay reproducible.
+    turn k-1 computed is reusable. With answers: seeded the replies are seeded tokens, not
+    the model's output, so every prompt is known in advance; with answers: engine a reply is
+    what the engine generated for turn k-1 (TurnSpec.after_answer). Both draw the same
+    lengths, think times and tool outputs from the seed.
     """
     system = token_ids(f"{seed}:{step}:system", src.system_tokens)
+    engine_answers = src.answers == "engine"
     agents = []
     for a in range(n_agents):
         rng = random.Random(f"{seed}:{step}:agent{a}")
@@ -64,15 +138,18 @@ def coding_agent_sessions(src: GeneratorSource, n_agents: int, seed: int, step: 
         turns = []
         prev_len = 0
         for k in range(src.turns):
+            sent = context
             if k > 0:
                 reply = token_ids(f"{seed}:{step}:agent{a}:reply{k}", rng.randint(*src.assistant_tokens))
                 tool = token_ids(f"{seed}:{step}:agent{a}:tool{k}", rng.randint(*src.tool_output_tokens))
                 context = context + reply + tool
+                sent = tool if engine_answers else context
             turns.append(TurnSpec(
-                session=a, index=k, prompt=tuple(context),
+                session=a, index=k, prompt=tuple(sent),
                 max_tokens=rng.randint(*src.output_tokens),
                 think_s=rng.uniform(*src.think_time_s) if k > 0 else 0.0,
-                reusable_tokens=prev_len,
+                reusable_tokens=0 if engine_answers and k > 0 else prev_len,
+                after_answer=engine_answers and k > 0,
             ))
             prev_len = len(context)
         agents.append(tuple(turns))
@@ -80,8 +157,9 @@ def coding_agent_sessions(src: GeneratorSource, n_agents: int, seed: int, step: 
 
 
 def generator_max_prompt_tokens(src: GeneratorSource) -> int:
-    return src.system_tokens + src.first_user_tokens + (src.turns - 1) * (
-        src.assistant_tokens[1] + src.tool_output_tokens[1])
+    # with answers: engine a reply is the previous turn's answer, of up to output_tokens
+    reply = src.output_tokens[1] if src.answers == "engine" else src.assistant_tokens[1]
+    return src.system_tokens + src.first_user_tokens + (src.turns - 1) * (reply + src.tool_output_tokens[1])
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The summary of a run (`kvlab report RUN --summary-json`), derived from its raw records.
 
-Schema `kvlab.summary/1`, documented in docs/results-schema.md and validated by the
+Schema `kvlab.summary/2`, documented in docs/results-schema.md and validated by the
 pydantic models below. Times are medians (the sweep's: the mean of the chosen rounds,
 as the second seed averages); every median has its sample count beside it; a value is
 null where its scenario did not run for that setup.
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvlab.harness import metrics
 from kvlab.harness.metrics import Turn
 
-SCHEMA = "kvlab.summary/1"
+SCHEMA = "kvlab.summary/2"
 
 
 class _M(BaseModel):
@@ -29,12 +29,17 @@ class SweepPoint(_M):
     samples: int = Field(description="rounds averaged")
     ttft_improvement: float | None = Field(None, description="baseline TTFT / this setup's")
     throughput_improvement: float | None = Field(None, description="this setup's throughput / baseline's")
+    rounds: int = Field(0, description="rounds averaged (as samples)")
+    page_cache_dropped_rounds: int = Field(0, description="averaged rounds with the page cache dropped before them")
+    cached_tokens: float | None = Field(None, description="median over the averaged rounds of vLLM's cached tokens")
 
 
 class AgentsPoint(_M):
     decode_tok_s_per_agent: float | None
     returning_turn_hit_share: float | None
     returning_token_hit_share: float | None
+    returning_reusable_hit_share: float | None = Field(
+        None, description="tokens restored / reusable tokens rounded down to the engine's block size")
     returning_ttft_median_s: float | None
     returning_ttft_p90_s: float | None
     returning_ttft_p99_s: float | None
@@ -90,6 +95,10 @@ class SetupSummary(_M):
     warm_restore_samples: int
     restart_restore_ttft_s: float | None
     restart_restore_samples: int
+    block_size: int | None = Field(None, description="the engine's KV block size, tokens (vLLM's cache config)")
+    warm_over_recompute: float | None = Field(None, description="warm restore TTFT / the run's recompute reference")
+    restart_over_recompute: float | None = Field(
+        None, description="restart restore TTFT / the run's recompute reference")
     warm_restore_cached_tokens: float | None = None
     restart_restore_cached_tokens: float | None = None
     restore_read_bytes: float | None = Field(None, description="connector bytes read per restart restore (median)")
@@ -103,10 +112,21 @@ class SetupSummary(_M):
     memory_source: MemorySource | None = None
 
 
+class RecomputeReference(_M):
+    """The recompute every setup's restores are set against: fresh prompts of the restore's
+    length on one warm engine without a cache (restore.recompute_setup)."""
+
+    setup: str
+    ttft_s: float | None = Field(description="median TTFT")
+    samples: int
+    tokens: int | None
+
+
 class Summary(_M):
     schema_: str = Field(SCHEMA, alias="schema")
     run_id: str | None = None
     campaign: str | None = None
+    recompute_reference: RecomputeReference | None = None
     setups: dict[str, SetupSummary]
 
 
@@ -137,8 +157,23 @@ def lmcache_breakdown(recs: list[dict]) -> LMCacheBreakdown | None:
     )
 
 
+def recompute_reference(records: list[dict]) -> RecomputeReference | None:
+    """The run's recompute reference from its `recompute` records; None where none ran."""
+    recs = [r for r in records if r.get("kind") == "request" and r.get("scenario") == "restore"
+            and r.get("phase") == "recompute"]
+    if not recs:
+        return None
+    ok = [r for r in recs if "error" not in r]
+    return RecomputeReference(setup=recs[0]["setup"], ttft_s=_med([r["ttft_s"] for r in ok]), samples=len(ok),
+                              tokens=recs[0].get("tokens"))
+
+
+def _over(value: float | None, ref: RecomputeReference | None) -> float | None:
+    return value / ref.ttft_s if value is not None and ref and ref.ttft_s else None
+
+
 def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
-                    avg_rounds: tuple[int, int] | None) -> SetupSummary:
+                    avg_rounds: tuple[int, int] | None, reference: RecomputeReference | None = None) -> SetupSummary:
     skipped = next((r["reason"] for r in recs if r.get("kind") == "skip"), None)
     errors = [r["message"].splitlines()[0][:300] for r in recs if r.get("kind") == "error"]
     req = [r for r in recs if r.get("kind") == "request"]
@@ -164,13 +199,17 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
         thr = sum(metrics.throughput(r["prompt_tokens"], r["output_tokens"], r["total_s"]) for r in chosen) / len(chosen)
         b = baseline.sweep.get(str(length)) if baseline else None
         sweep[str(length)] = SweepPoint(
-            ttft_s=ttft, throughput_tok_s=thr, samples=len(chosen),
+            ttft_s=ttft, throughput_tok_s=thr, samples=len(chosen), rounds=len(chosen),
+            page_cache_dropped_rounds=sum(1 for r in chosen if r.get("page_cache_dropped") is True),
+            cached_tokens=_med([r.get("cached_tokens") or 0 for r in chosen]),
             ttft_improvement=metrics.improvement(b.ttft_s if b else None, ttft, higher_is_better=False),
             throughput_improvement=metrics.improvement(b.throughput_tok_s if b else None, thr, higher_is_better=True),
         )
 
     # agents: per concurrency
     agents: dict[str, AgentsPoint] = {}
+    block = next((r["block_size"] for r in reversed(recs) if r.get("kind") == "engine_config" and r.get("block_size")),
+                 None)
     steps = {r["concurrency"]: r for r in recs if r.get("kind") == "step" and r.get("scenario") == "agents"}
     turns_by_n: dict[int, list[dict]] = defaultdict(list)
     for r in req:
@@ -191,6 +230,7 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
             decode_tok_s_per_agent=metrics.decode_rate_per_agent(per_agent.values()),
             returning_turn_hit_share=metrics.turn_hit_share(turns, min_frac),
             returning_token_hit_share=metrics.token_hit_share(turns),
+            returning_reusable_hit_share=metrics.reusable_hit_share(turns, block),
             returning_ttft_median_s=_med(ret_ttft),
             returning_ttft_p90_s=metrics.percentile(ret_ttft, 90) if ret_ttft else None,
             returning_ttft_p99_s=metrics.percentile(ret_ttft, 99) if ret_ttft else None,
@@ -218,6 +258,9 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
         recompute_ttft_s=_med([r["ttft_s"] for r in comp]), recompute_samples=len(comp),
         warm_restore_ttft_s=_med([r["ttft_s"] for r in warm]), warm_restore_samples=len(warm),
         restart_restore_ttft_s=_med([r["ttft_s"] for r in rest]), restart_restore_samples=len(rest),
+        block_size=block,
+        warm_over_recompute=_over(_med([r["ttft_s"] for r in warm]), reference),
+        restart_over_recompute=_over(_med([r["ttft_s"] for r in rest]), reference),
         warm_restore_cached_tokens=_med([r.get("cached_tokens") or 0 for r in warm]),
         restart_restore_cached_tokens=_med([r.get("cached_tokens") or 0 for r in rest]),
         restore_read_bytes=_med(read),
@@ -240,14 +283,15 @@ def summarize(records: list[dict], setup_order: list[str], run_id: str | None = 
             by_setup[r["setup"]].append(r)
     names = [s for s in setup_order if s in by_setup] + [s for s in by_setup if s not in setup_order]
     out: dict[str, SetupSummary] = {}
+    ref = recompute_reference(records)
     # baseline first: the others' improvement factors divide by it
     if "baseline" in by_setup:
-        out["baseline"] = summarize_setup("baseline", by_setup["baseline"], None, avg_rounds)
+        out["baseline"] = summarize_setup("baseline", by_setup["baseline"], None, avg_rounds, ref)
     for s in names:
         if s != "baseline":
-            out[s] = summarize_setup(s, by_setup[s], out.get("baseline"), avg_rounds)
+            out[s] = summarize_setup(s, by_setup[s], out.get("baseline"), avg_rounds, ref)
     ordered = {s: out[s] for s in names}
-    return Summary(schema=SCHEMA, run_id=run_id, campaign=campaign, setups=ordered)
+    return Summary(schema=SCHEMA, run_id=run_id, campaign=campaign, recompute_reference=ref, setups=ordered)
 
 
 def to_json_obj(s: Summary) -> dict[str, Any]:

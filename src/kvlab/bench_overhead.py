@@ -1,0 +1,214 @@
+"""`kvlab bench overhead`: what kvlab's connector costs where it has nothing to restore.
+
+Baseline (no connector) and kvlab engines are started from the same EngineParams (the same
+flags, the same pinned cores; only kvlab's --kv-transfer-config differs), one at a time,
+interleaved: repeat r runs baseline then kvlab, repeat r+1 kvlab then baseline, so that no
+setup always runs first on a machine whose speed drifts. In each engine life, after an
+unrelated warm-up request of the decode requests' shape:
+
+- decode: fresh prompts of `decode_prompt_tokens`, each answered with `decode_tokens`;
+  the rate is (output tokens - 1) / (total - TTFT), the median over the life's requests.
+- misses: fresh short prompts (`miss_prompt_tokens`) that no cache has seen, so none can
+  hit; their TTFT, the median over the life's requests.
+
+Every prompt is new to every cache: it is keyed by the repeat, so both setups of one repeat
+send the same prompts and kvlab's store never holds them beforehand. The ratios are kvlab
+over baseline within each repeat (the medians and quartiles over the repeats): a ratio
+within a repeat cancels the drift between repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlab import setups
+from kvlab.client import complete
+from kvlab.engine import EngineServer
+from kvlab.harness import metrics, results
+from kvlab.harness.sessions import token_ids
+from kvlab.net import free_port
+from kvlab.paths import state_dir
+
+SCHEMA = "kvlab.bench.overhead/1"
+SETUPS = ("baseline", "kvlab")
+
+
+def note(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Workload:
+    decode_prompt_tokens: int = 576  # one 512-token chunk and a part: no save is due while it decodes
+    decode_tokens: int = 128
+    decode_requests: int = 5
+    miss_prompt_tokens: int = 100
+    miss_requests: int = 5
+
+
+@dataclass(frozen=True)
+class LifeSample:
+    """One engine life's measurements."""
+
+    setup: str
+    repeat: int
+    decode_tok_s: float  # median over the life's decode requests
+    miss_ttft_s: float  # median over the life's miss prompts
+    engine_start_s: float
+    decode_tok_s_all: tuple[float, ...] = ()
+    miss_ttft_s_all: tuple[float, ...] = ()
+
+
+Measure = Callable[[str, int], LifeSample]
+
+
+def order_of(repeat: int) -> tuple[str, ...]:
+    """Repeat 0 runs baseline first, repeat 1 kvlab first, and so on."""
+    return SETUPS if repeat % 2 == 0 else tuple(reversed(SETUPS))
+
+
+def run_overhead(repeats: int, measure: Measure, progress: Callable[[str], None] = note) -> list[LifeSample]:
+    """Every repeat's engine lives in their interleaved order, with progress and an estimate."""
+    lives = [(r, setup) for r in range(repeats) for setup in order_of(r)]
+    out: list[LifeSample] = []
+    t0 = time.monotonic()
+    for i, (r, setup) in enumerate(lives):
+        elapsed = time.monotonic() - t0
+        left = f" · ~{elapsed / i * (len(lives) - i):.0f} s left" if i else ""
+        progress(f"[{i + 1}/{len(lives)} · {elapsed:.0f} s elapsed{left}] repeat {r + 1}/{repeats}: {setup}")
+        s = measure(setup, r)
+        progress(f"  {setup}: decode {s.decode_tok_s:.1f} tokens/s, miss TTFT {s.miss_ttft_s:.3f} s "
+                 f"(engine start {s.engine_start_s:.0f} s)")
+        out.append(s)
+    return out
+
+
+def _spread(name: str, ratios: list[float]) -> dict[str, float]:
+    q1, q3 = metrics.quartiles(ratios)
+    return {name: statistics.median(ratios), f"{name}_q1": q1, f"{name}_q3": q3}
+
+
+def summarize(samples: list[LifeSample], workload: Workload, provenance: dict[str, Any]) -> dict[str, Any]:
+    """kvlab over baseline per repeat; medians and quartiles over the repeats both ran."""
+    by = {(s.setup, s.repeat): s for s in samples}
+    paired = sorted(r for r in {s.repeat for s in samples} if all((x, r) in by for x in SETUPS))
+    if not paired:
+        raise ValueError("no repeat in which both baseline and kvlab were measured")
+    decode = [by["kvlab", r].decode_tok_s / by["baseline", r].decode_tok_s for r in paired]
+    miss = [by["kvlab", r].miss_ttft_s / by["baseline", r].miss_ttft_s for r in paired]
+    return {
+        "schema": SCHEMA,
+        "repeats": len(paired),
+        **_spread("decode_rate_over_baseline", decode),
+        **_spread("miss_ttft_over_baseline", miss),
+        **{setup: {"decode_tok_s": statistics.median(by[setup, r].decode_tok_s for r in paired),
+                   "miss_ttft_s": statistics.median(by[setup, r].miss_ttft_s for r in paired)} for setup in SETUPS},
+        "per_repeat": {"order": [list(order_of(r)) for r in paired], "decode_rate_over_baseline": decode,
+                       "miss_ttft_over_baseline": miss},
+        "workload": asdict(workload),
+        "raw": [asdict(s) for s in samples],
+        "provenance": provenance,
+    }
+
+
+# ---- the engines --------------------------------------------------------------------------
+def engine_params(model: Path, work: Path, w: Workload) -> setups.EngineParams:
+    """One set of flags for both setups (kvlab's store and metrics port are unused by baseline)."""
+    return setups.EngineParams(
+        model=str(model), python=sys.executable, served_model_name="tiny", port=free_port(),
+        max_model_len=2048, max_num_batched_tokens=2048, cpu_kv_cache_gib=2,
+        kv_store_paths=(str(work / "kvlab-store"),), kv_metrics_port=free_port(),
+    )
+
+
+def engine_measure(params: setups.EngineParams, work: Path, w: Workload) -> Measure:
+    """A Measure that starts the setup's engine, measures one life and stops it by its PID."""
+
+    def measure(setup: str, repeat: int) -> LifeSample:
+        server = EngineServer(setups.render(setup, params), work / "logs")
+        try:
+            start_s = server.start(progress=True)
+            url = server.base_url
+            # The warm-up is a decode request too, so that one-time costs (kvlab's first save,
+            # its threads' start) fall into it: measured, the first of 3 decodes ran at 22 tok/s
+            # against 49 and 81 after it, when the warm-up was a short prompt.
+            complete(url, "tiny", token_ids(f"overhead:{repeat}:warmup", w.decode_prompt_tokens), w.decode_tokens)
+            rates = []
+            for i in range(w.decode_requests):
+                c = complete(url, "tiny", token_ids(f"overhead:{repeat}:decode{i}", w.decode_prompt_tokens),
+                             w.decode_tokens)
+                rate = metrics.decode_rate(c.output_tokens, c.ttft_s, c.total_s)
+                if rate is not None:
+                    rates.append(rate)
+            misses = [complete(url, "tiny", token_ids(f"overhead:{repeat}:miss{i}", w.miss_prompt_tokens), 1).ttft_s
+                      for i in range(w.miss_requests)]
+        finally:
+            server.stop()
+        if not rates:
+            raise RuntimeError(f"{setup}: no decode rate measured (answers of fewer than 2 tokens?)")
+        return LifeSample(setup, repeat, statistics.median(rates), statistics.median(misses), start_s,
+                          tuple(rates), tuple(misses))
+
+    return measure
+
+
+def argv_difference(params: setups.EngineParams) -> dict[str, list[str]]:
+    """What sets the two setups' engine command lines apart (only the connector, by design)."""
+    a, b = (list(setups.render(s, params).engine.argv) for s in SETUPS)
+    return {"baseline_only": [x for x in a if x not in b], "kvlab_only": [x for x in b if x not in a]}
+
+
+def bench_overhead(work: Path, repeats: int, w: Workload) -> dict[str, Any]:
+    from kvlab.model import ensure_tiny
+
+    model = ensure_tiny()
+    shutil.rmtree(work / "kvlab-store", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    params = engine_params(model, work, w)
+    t0 = time.monotonic()
+    samples = run_overhead(repeats, engine_measure(params, work, w))
+    shutil.rmtree(work / "kvlab-store", ignore_errors=True)
+    prov = {**results.provenance(), "engine_argv": {s: list(setups.render(s, params).engine.argv) for s in SETUPS},
+            "engine_argv_difference": argv_difference(params), "wall_s": time.monotonic() - t0}
+    return summarize(samples, w, prov)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    o = sub.add_parser("overhead", help="kvlab's decode rate and miss TTFT over baseline's: identical flags, "
+                                        "interleaved engine lives")
+    o.add_argument("--repeats", type=int, default=5, help="engine lives per setup (>= 5 for the medians)")
+    o.add_argument("--decode-requests", type=int, default=Workload.decode_requests)
+    o.add_argument("--miss-requests", type=int, default=Workload.miss_requests)
+    o.add_argument("--workdir", type=Path, default=None)
+    o.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    o.set_defaults(func=_overhead)
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from kvlab.cli import UserError
+
+    for name in ("repeats", "decode_requests", "miss_requests"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    w = Workload(decode_requests=args.decode_requests, miss_requests=args.miss_requests)
+    work = args.workdir or state_dir() / "bench-overhead"
+    res = bench_overhead(work, args.repeats, w)
+    (work / "overhead-result.json").write_text(json.dumps(res, indent=2))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"kvlab ÷ baseline over {res['repeats']} repeats (medians, quartiles): "
+              f"decode rate {res['decode_rate_over_baseline']:.3f} ({res['decode_rate_over_baseline_q1']:.3f}–"
+              f"{res['decode_rate_over_baseline_q3']:.3f}; goal ≥ 0.95), miss TTFT "
+              f"{res['miss_ttft_over_baseline']:.3f} ({res['miss_ttft_over_baseline_q1']:.3f}–"
+              f"{res['miss_ttft_over_baseline_q3']:.3f}; goal ≤ 1.05)")
+    return 0

@@ -1,0 +1,88 @@
+"""`kvlab bench overhead` without an engine: the interleaving, the ratios and the JSON keys the
+acceptance reads, from a fake measurement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlab import bench_overhead as bo
+from kvlab.cli import main
+
+
+def fake_measure(decode: dict[str, float], miss: dict[str, float], seen: list[tuple[str, int]]) -> bo.Measure:
+    """kvlab's figures a fixed share of baseline's, both drifting with the repeat (a machine
+    whose speed changes): the ratio within a repeat stays exact."""
+
+    def measure(setup: str, repeat: int) -> bo.LifeSample:
+        seen.append((setup, repeat))
+        drift = 1 + 0.1 * repeat
+        return bo.LifeSample(setup, repeat, decode[setup] / drift, miss[setup] * drift, 30.0)
+
+    return measure
+
+
+def test_lives_interleave_and_alternate_which_setup_goes_first() -> None:
+    seen: list[tuple[str, int]] = []
+    bo.run_overhead(4, fake_measure({"baseline": 100, "kvlab": 90}, {"baseline": 0.1, "kvlab": 0.11}, seen),
+                    progress=lambda m: None)
+    assert seen == [("baseline", 0), ("kvlab", 0), ("kvlab", 1), ("baseline", 1),
+                    ("baseline", 2), ("kvlab", 2), ("kvlab", 3), ("baseline", 3)]
+
+
+def test_ratios_are_kvlab_over_baseline_within_each_repeat() -> None:
+    samples = bo.run_overhead(5, fake_measure({"baseline": 100, "kvlab": 97}, {"baseline": 0.1, "kvlab": 0.102}, []),
+                              progress=lambda m: None)
+    res = bo.summarize(samples, bo.Workload(), {"git": {}})
+    assert res["repeats"] == 5
+    for key, want in (("decode_rate_over_baseline", 0.97), ("miss_ttft_over_baseline", 1.02)):
+        assert res[key] == pytest.approx(want)  # the drift cancels within a repeat
+        assert res[f"{key}_q1"] == pytest.approx(want) and res[f"{key}_q3"] == pytest.approx(want)
+        assert isinstance(res[key], float)
+    assert res["per_repeat"]["order"][1] == ["kvlab", "baseline"]
+
+
+def test_quartiles_spread_around_the_median() -> None:
+    lives = [bo.LifeSample("baseline", r, 100.0, 0.1, 1.0) for r in range(5)]
+    lives += [bo.LifeSample("kvlab", r, 100.0 * x, 0.1, 1.0) for r, x in enumerate((0.9, 1.0, 0.95, 0.8, 1.1))]
+    res = bo.summarize(lives, bo.Workload(), {})
+    assert res["decode_rate_over_baseline"] == pytest.approx(0.95)
+    assert (res["decode_rate_over_baseline_q1"], res["decode_rate_over_baseline_q3"]) == (pytest.approx(0.9),
+                                                                                          pytest.approx(1.0))
+
+
+def test_a_repeat_missing_a_setup_is_left_out_and_none_is_an_error() -> None:
+    lives = [bo.LifeSample("baseline", 0, 100.0, 0.1, 1.0), bo.LifeSample("kvlab", 0, 90.0, 0.1, 1.0),
+             bo.LifeSample("baseline", 1, 100.0, 0.1, 1.0)]
+    assert bo.summarize(lives, bo.Workload(), {})["repeats"] == 1
+    with pytest.raises(ValueError, match="both baseline and kvlab"):
+        bo.summarize(lives[2:], bo.Workload(), {})
+
+
+def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import kvlab.model
+
+    monkeypatch.setattr(kvlab.model, "ensure_tiny", lambda: tmp_path / "tiny")
+    monkeypatch.setattr(bo, "engine_measure", lambda params, work, w: fake_measure(
+        {"baseline": 120, "kvlab": 118}, {"baseline": 0.05, "kvlab": 0.051}, []))
+    assert main(["bench", "overhead", "--repeats", "5", "--json", "--workdir", str(tmp_path / "w")]) == 0
+    out, err = capsys.readouterr()
+    res = json.loads(out.strip().splitlines()[-1])
+    for key in ("decode_rate_over_baseline", "miss_ttft_over_baseline"):
+        assert {key, f"{key}_q1", f"{key}_q3"} <= set(res) and float(res[key]) > 0
+    assert res["repeats"] == 5 and res["schema"] == "kvlab.bench.overhead/1"
+    prov = res["provenance"]
+    assert prov["git"]["commit"] and prov["versions"]["python"] and prov["host"]["cpu_count"]
+    assert set(prov["engine_argv"]) == {"baseline", "kvlab"}
+    # identical flags but the connector's
+    assert prov["engine_argv_difference"]["baseline_only"] == []
+    assert any("kv-transfer-config" in x or "KVLabConnector" in x for x in prov["engine_argv_difference"]["kvlab_only"])
+    assert "[10/10 ·" in err and "repeat 5/5" in err  # progress while it runs
+
+
+def test_a_repeat_count_below_one_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "overhead", "--repeats", "0"]) == 2
+    assert "--repeats 0" in capsys.readouterr().err
