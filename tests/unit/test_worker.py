@@ -212,3 +212,125 @@ def test_io_threads_run_on_every_cpu_of_the_process() -> None:
     t.start()
     t.join()
     assert seen == [process_cpus()] and seen[0] == allowed
+
+
+# ---- tail objects, repair, finished requests (the scheduler side plans them) -------------
+def settle(w: WorkerSide) -> None:
+    """Let the I/O threads finish what they were handed (removals included)."""
+    w.store.engine.submit(lambda: None).result(timeout=10)
+    time.sleep(0.05)
+    w.store.engine.submit(lambda: None).result(timeout=10)
+
+
+def test_a_tail_object_of_fewer_blocks_loads_back(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("e" * 32, [6])])
+    assert w.store.exists(w.ns, "e" * 32, w.layout.shape_of(1))
+    before = {n: t[6].clone() for n, t in kv.items()}
+    assert load(w, kv, [ChunkIO("e" * 32, [11])]) == set()
+    for n, t in kv.items():
+        assert torch.equal(t[11], before[n])
+
+
+def test_a_chunk_loads_short_of_its_last_block(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    for t in kv.values():
+        t[9].fill_(5.0)
+    assert load(w, kv, [ChunkIO("a" * 32, [8, -1])]) == set()
+    for t in kv.values():
+        assert torch.equal(t[8], t[2]) and torch.all(t[9] == 5.0)
+
+
+def corrupt(w: WorkerSide, key: str, shape) -> None:  # type: ignore[no-untyped-def]
+    frag, offset = w.store.placement(key, shape, 1)
+    with open(w.store.fragment_path(w.ns, key, shape, frag), "r+b") as f:
+        f.seek(offset + 17)
+        b = f.read(1)
+        f.seek(offset + 17)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_load_that_fails_removes_its_object(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3]), ChunkIO("b" * 32, [4, 5])])
+    corrupt(w, "a" * 32, w.shape)
+    assert load(w, kv, [ChunkIO("a" * 32, [8, 9], "r"), ChunkIO("b" * 32, [10, 11], "r")]) == {8, 9}
+    settle(w)
+    assert not w.store.exists(w.ns, "a" * 32, w.shape), "the recompute's save must replace it"
+    assert w.store.exists(w.ns, "b" * 32, w.shape), "an object that verified stays"
+
+
+def test_saves_over_a_failed_load_are_given_up_and_the_repair_is_kept(tmp_path: Path) -> None:
+    """The KV a step computes over blocks that never arrived is wrong: the saves of that
+    request in that step, and of that generation later, never become objects."""
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    corrupt(w, "a" * 32, w.shape)
+    meta = StepMetadata(loads=[ChunkIO("a" * 32, [8, 9], "r")],
+                        saves=[ChunkIO("c" * 32, [10, 11], "r"), ChunkIO("d" * 32, [12, 13], "other")])
+    w.start_load(meta)
+    for name, t in kv.items():
+        w.wait_for_layer(name)
+        w.save_layer(name, t, meta)
+    w.end_step(meta)
+    assert w.take_load_errors() == {8, 9}
+    settle(w)
+    assert not w.store.exists(w.ns, "c" * 32, w.shape), "computed over a failed load"
+    assert w.store.exists(w.ns, "d" * 32, w.shape), "another request's save is not affected"
+    save(w, kv, [ChunkIO("e" * 32, [14, 15], "r", epoch=0)])
+    settle(w)
+    assert not w.store.exists(w.ns, "e" * 32, w.shape), "a later step of the failed generation"
+    save(w, kv, [ChunkIO("a" * 32, [8, 9], "r", epoch=1)])  # the scheduler's repair
+    settle(w)
+    assert w.store.exists(w.ns, "a" * 32, w.shape)
+    assert load(w, kv, [ChunkIO("a" * 32, [6, 7], "s")]) == set()
+
+
+def test_saves_of_a_request_whose_load_verifies_are_written(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    meta = StepMetadata(loads=[ChunkIO("a" * 32, [8, 9], "r")], saves=[ChunkIO("c" * 32, [10, 11], "r")])
+    w.start_load(meta)
+    for name, t in kv.items():
+        w.wait_for_layer(name)
+        w.save_layer(name, t, meta)
+    w.end_step(meta)
+    assert w.take_load_errors() == set()
+    settle(w)
+    assert w.store.exists(w.ns, "c" * 32, w.shape)
+
+
+def test_a_finished_request_is_saved_from_the_cache_then_reported(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    assert w.get_finished(set()) == set()
+    meta = StepMetadata(finish_saves={"r": [ChunkIO("f" * 32, [4, 5], "r"), ChunkIO("9" * 32, [6], "r")],
+                                      "nothing": []})
+    w.end_step(meta)  # a step without a forward pass: no save_layer call
+    done: set[str] = set()
+    deadline = time.monotonic() + 10
+    while done != {"r", "nothing"} and time.monotonic() < deadline:
+        done |= w.get_finished({"r", "nothing"})
+        time.sleep(0.01)
+    assert done == {"r", "nothing"}
+    assert w.store.exists(w.ns, "f" * 32, w.shape) and w.store.exists(w.ns, "9" * 32, w.layout.shape_of(1))
+    before = {n: t[[4, 5, 6]].clone() for n, t in kv.items()}
+    assert load(w, kv, [ChunkIO("f" * 32, [12, 13]), ChunkIO("9" * 32, [14])]) == set()
+    for n, t in kv.items():
+        assert torch.equal(t[[12, 13, 14]], before[n])
+    assert w.get_finished(set()) == set(), "each request is reported once"
+
+
+def test_a_finished_request_is_reported_even_when_its_save_is_dropped(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    assert w.ring is not None
+    held = [w.ring.acquire() for _ in range(w.ring.num_slots)]
+    w.end_step(StepMetadata(finish_saves={"r": [ChunkIO("f" * 32, [4, 5], "r")]}))
+    deadline = time.monotonic() + 10
+    done: set[str] = set()
+    while not done and time.monotonic() < deadline:
+        done = w.get_finished({"r"})
+        time.sleep(0.01)
+    assert done == {"r"} and w.saves_dropped == 1
+    for s in held:
+        w.ring.release(s)

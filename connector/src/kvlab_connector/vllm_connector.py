@@ -91,7 +91,12 @@ class KvlabConnector(KVConnectorBase_V1):
         self._worker.save_layer(layer_name, kv_layer, meta.step)
 
     def wait_for_save(self) -> None:
-        self._worker.end_step()
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvlabMetadata)
+        self._worker.end_step(meta.step)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
@@ -130,6 +135,14 @@ class KvlabConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KvlabMetadata(self._scheduler.build_connector_meta(scheduler_output))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(set(connector_output.invalid_block_ids or ()))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.request_finished(request)
-        return False, None
+        # True: vLLM holds the blocks until get_finished reports the request's last saves.
+        return self._scheduler.request_finished(request, block_ids), None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a save lost to a preemption is a later miss, nothing more.
+        return False
