@@ -242,6 +242,16 @@ def test_a_chunk_loads_short_of_its_last_block(tmp_path: Path) -> None:
         assert torch.equal(t[8], t[2]) and torch.all(t[9] == 5.0)
 
 
+def forward_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: StepMetadata) -> set[int]:
+    """One step as vLLM drives the worker: loads, each layer's forward and save, the end."""
+    w.start_load(meta)
+    for name, t in kv.items():
+        w.wait_for_layer(name)
+        w.save_layer(name, t, meta)
+    w.end_step(meta)
+    return w.take_load_errors()
+
+
 def corrupt(w: WorkerSide, key: str, shape) -> None:  # type: ignore[no-untyped-def]
     frag, offset = w.store.placement(key, shape, 1)
     with open(w.store.fragment_path(w.ns, key, shape, frag), "r+b") as f:
@@ -269,12 +279,7 @@ def test_saves_over_a_failed_load_are_given_up_and_the_repair_is_kept(tmp_path: 
     corrupt(w, "a" * 32, w.shape)
     meta = StepMetadata(loads=[ChunkIO("a" * 32, [8, 9], "r")],
                         saves=[ChunkIO("c" * 32, [10, 11], "r"), ChunkIO("d" * 32, [12, 13], "other")])
-    w.start_load(meta)
-    for name, t in kv.items():
-        w.wait_for_layer(name)
-        w.save_layer(name, t, meta)
-    w.end_step(meta)
-    assert w.take_load_errors() == {8, 9}
+    assert forward_step(w, kv, meta) == {8, 9}
     settle(w)
     assert not w.store.exists(w.ns, "c" * 32, w.shape), "computed over a failed load"
     assert w.store.exists(w.ns, "d" * 32, w.shape), "another request's save is not affected"
@@ -291,12 +296,7 @@ def test_saves_of_a_request_whose_load_verifies_are_written(tmp_path: Path) -> N
     w, kv = worker(tmp_path)
     save(w, kv, [ChunkIO("a" * 32, [2, 3])])
     meta = StepMetadata(loads=[ChunkIO("a" * 32, [8, 9], "r")], saves=[ChunkIO("c" * 32, [10, 11], "r")])
-    w.start_load(meta)
-    for name, t in kv.items():
-        w.wait_for_layer(name)
-        w.save_layer(name, t, meta)
-    w.end_step(meta)
-    assert w.take_load_errors() == set()
+    assert forward_step(w, kv, meta) == set()
     settle(w)
     assert w.store.exists(w.ns, "c" * 32, w.shape)
 
@@ -334,3 +334,46 @@ def test_a_finished_request_is_reported_even_when_its_save_is_dropped(tmp_path: 
     assert done == {"r"} and w.saves_dropped == 1
     for s in held:
         w.ring.release(s)
+
+
+class _Forbidden:
+    """Stands for a lock, a thread or a pool that an idle step must not touch."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"an idle step used {self.what}.{name}")
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"an idle step took {self.what}")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __call__(self, *a: object, **kw: object) -> None:
+        raise AssertionError(f"an idle step called {self.what}")
+
+
+def test_a_step_with_nothing_to_load_or_save_takes_no_lock_and_wakes_no_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from kvlab_connector import metrics
+
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    assert load(w, kv, [ChunkIO("a" * 32, [8, 9])]) == set()
+    w.end_step(StepMetadata())  # the step after the last I/O: the gauge goes back to zero
+    m = metrics.metrics()
+    assert m is not None
+    assert w.ring is not None
+    monkeypatch.setattr(w.ring, "_cond", _Forbidden("the ring's lock"))
+    monkeypatch.setattr(w.store, "engine", _Forbidden("the I/O pool"))
+    monkeypatch.setattr(threading, "Thread", _Forbidden("threading.Thread"))
+    monkeypatch.setitem(m, "ring_in_use", _Forbidden("the ring gauge"))
+    monkeypatch.setattr(w.store, "_lock", _Forbidden("the store's lock"))
+    for _ in range(3):  # decode steps: loads and saves empty
+        meta = StepMetadata()
+        assert forward_step(w, kv, meta) == set()
+        assert w.get_finished({"done-1"}) == set()

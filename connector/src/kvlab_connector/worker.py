@@ -159,6 +159,8 @@ class WorkerSide:
         self._held: list[tuple[ChunkIO, ObjectWriter, Any, Any]] = []
         # Finished requests whose blocks vLLM holds: the writes of their last objects.
         self._finishing: dict[str, list[Future[bool]]] = {}
+        self._removing: dict[str, Future[int]] = {}  # objects whose load failed, being removed
+        self._ring_reported = 0  # ring slots in use, as the gauge last said
         self.saves_dropped = 0
         self.load_error_blocks = 0
 
@@ -471,7 +473,7 @@ class WorkerSide:
             # the engine. Should it land after the replacement, that costs a miss, never
             # wrong KV.
             try:
-                self.store.engine.submit(self.store.remove, self.ns, chunk.key)
+                self._removing[chunk.key] = self.store.engine.submit(self.store.remove, self.ns, chunk.key)
             except RuntimeError:
                 pass  # the store is closing
 
@@ -504,6 +506,21 @@ class WorkerSide:
     def _poisoned_save(self, chunk: ChunkIO) -> bool:
         return self._poisoned.get(chunk.req_id, -1) >= chunk.epoch
 
+    def _removed(self, key: str) -> bool:
+        """Whether a save of this key may begin: a removal of its failed object (handed to
+        the I/O threads a step or more ago) must not land after the replacement."""
+        removal = self._removing.pop(key, None)
+        if removal is None:
+            return True
+        try:
+            removal.result(timeout=1.0)
+        except TimeoutError:
+            self._removing[key] = removal  # a hung drive: no replacement on it for now
+            return False
+        except Exception:
+            pass  # the removal failed: the replacement overwrites the object
+        return True
+
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: StepMetadata) -> None:
         if not meta.saves or not self.saves_enabled:
             return
@@ -517,7 +534,7 @@ class WorkerSide:
                 continue  # computed over blocks that failed to load (end_step aborts it)
             entry = self._writers.get(chunk.key)
             if entry is None:
-                if layer != 0:
+                if layer != 0 or not self._removed(chunk.key):
                     continue  # the step began before this chunk was planned
                 writer = self.store.begin_write(
                     self.ns, chunk.key, self._shape(chunk), len(chunk.block_ids) * self.layout.block_size, self.tag
@@ -611,7 +628,8 @@ class WorkerSide:
         for req_id, chunks in finish_saves.items():
             futures: list[Future[bool]] = []
             for chunk in chunks:
-                if not self.saves_enabled or self.ring is None or self._poisoned_save(chunk):
+                if not self.saves_enabled or self.ring is None or self._poisoned_save(chunk) \
+                        or not self._removed(chunk.key):
                     continue
                 writer = self.store.begin_write(
                     self.ns, chunk.key, self._shape(chunk), len(chunk.block_ids) * self.layout.block_size, self.tag
@@ -658,10 +676,14 @@ class WorkerSide:
             if 0 <= submitted < len(self.kv):
                 writer.abort(len(self.kv) - submitted)  # a layer never came: not an object
         self._writers.clear()
-        if self.ring is not None:
+        # A step with nothing to load or save takes no lock (the ring's, the gauge's): the
+        # gauge is read after steps with I/O and until it is back at zero.
+        had_io = meta is not None and bool(meta.loads or meta.saves or meta.finish_saves)
+        if self.ring is not None and (had_io or self._ring_reported):
             m = metrics.metrics()
             if m is not None:
-                m["ring_in_use"].set(self.ring.in_use)
+                self._ring_reported = self.ring.in_use
+                m["ring_in_use"].set(self._ring_reported)
 
     def counters(self) -> dict[str, Any]:
         s = self.store.stats
