@@ -318,6 +318,21 @@ def test_a_request_with_nothing_new_frees_its_blocks_at_once() -> None:
     assert e.step({}, {}, finished={"b"}).finish_saves == {}
 
 
+def test_the_same_answer_to_the_same_prompt_is_not_written_again() -> None:
+    e = Engine()
+    prompt = tokens(100)
+    e.serve(Req("a", prompt), decode=15)
+    written = len(e.saved)
+    b = Req("b", list(prompt))
+    e.admit(b)
+    e.prefill(b)
+    b.output.append(6999)
+    e.decode(b, 15)
+    assert b.all_token_ids == e.side._reqs["b"].request.all_token_ids
+    assert not e.finish(b), "its answer's objects are on the drives: nothing to hold"
+    assert len(e.saved) == written
+
+
 def test_a_request_finished_while_its_load_is_in_flight() -> None:
     e, prompt, b = warm(150)
     e.admit(b)

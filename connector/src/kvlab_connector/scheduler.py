@@ -54,8 +54,9 @@ class ChunkIO:
 class StepMetadata:
     loads: list[ChunkIO] = field(default_factory=list)
     saves: list[ChunkIO] = field(default_factory=list)
-    # Finished requests whose blocks vLLM holds until these saves are done (request_finished
-    # returned True): copied from the paged cache after the step, reported by get_finished.
+    # Finished requests whose blocks vLLM holds (request_finished returned True) until the
+    # worker has copied these objects out of the paged cache (handle_preemptions, at the start
+    # of this step) and reported them (get_finished, at its end).
     finish_saves: dict[str, list[ChunkIO]] = field(default_factory=dict)
 
 
@@ -274,6 +275,9 @@ class SchedulerSide:
         saves: list[ChunkIO] = []
         # KV exists for the tokens fed to a forward pass: never for the last token sampled.
         self._plan_saves(st, saves, int(request.num_computed_tokens), tail=True)
+        # The same answer to the same prompt (a repeated request) is on the drives already:
+        # a probe costs less than a rewrite, and vLLM frees the blocks at once.
+        saves = [c for c in saves if not self._on_drives(c.key, len(c.block_ids))]
         if not saves:
             return False
         self._finishing[request.request_id] = saves

@@ -77,6 +77,11 @@ class KvlabConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches, self.num_blocks)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KvlabMetadata)
+        if kv_connector_metadata.step.finish_saves:
+            self._worker.save_finished(kv_connector_metadata.step.finish_saves)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvlabMetadata)
@@ -96,6 +101,7 @@ class KvlabConnector(KVConnectorBase_V1):
         self._worker.end_step(meta.step)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Requests whose blocks request_finished held: copied out by handle_preemptions.
         return self._worker.get_finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

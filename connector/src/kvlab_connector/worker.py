@@ -158,7 +158,7 @@ class WorkerSide:
         # to their writers at end_step, once the loads have verified (else aborted).
         self._held: list[tuple[ChunkIO, ObjectWriter, Any, Any]] = []
         # Finished requests whose blocks vLLM holds: the writes of their last objects.
-        self._finishing: dict[str, list[Future[bool]]] = {}
+        self._finished: set[str] = set()  # finished requests whose last objects are copied out
         self._removing: dict[str, Future[int]] = {}  # objects whose load failed, being removed
         self._ring_reported = 0  # ring slots in use, as the gauge last said
         self.saves_dropped = 0
@@ -622,11 +622,13 @@ class WorkerSide:
             else:
                 go()
 
-    def _save_finished(self, finish_saves: dict[str, list[ChunkIO]]) -> None:
-        """Finished requests' last objects, copied from the paged cache (vLLM holds the
-        blocks until get_finished reports them; no forward pass is needed)."""
+    def save_finished(self, finish_saves: dict[str, list[ChunkIO]]) -> None:
+        """Finished requests' last objects (their answers' whole blocks), copied from the
+        paged cache into ring slots at the start of the next step (vLLM's
+        handle_preemptions: before anything may zero or overwrite the blocks), then written
+        like any save. vLLM holds the blocks until get_finished, at the end of this same
+        step, reports them: one step, not the time a drive takes."""
         for req_id, chunks in finish_saves.items():
-            futures: list[Future[bool]] = []
             for chunk in chunks:
                 if not self.saves_enabled or self.ring is None or self._poisoned_save(chunk) \
                         or not self._removed(chunk.key):
@@ -634,7 +636,6 @@ class WorkerSide:
                 writer = self.store.begin_write(
                     self.ns, chunk.key, self._shape(chunk), len(chunk.block_ids) * self.layout.block_size, self.tag
                 )
-                futures.append(writer.done)
                 for layer, kv_layer in enumerate(self.kv):
                     try:
                         slot = self.ring.acquire(timeout_s=self.config.save_slot_wait_s)
@@ -644,18 +645,19 @@ class WorkerSide:
                         metrics.inc("saves_dropped")
                         break
                     self._save_section(writer, layer, kv_layer, chunk.block_ids, slot)
-            self._finishing[req_id] = futures
+            self._finished.add(req_id)
+        if self._save_events:
+            # GPU: the step's first kernels (zeroing new blocks, the forward) wait for the copies.
+            forward = torch.cuda.current_stream()
+            for ev in self._save_events:
+                forward.wait_event(ev)
+            self._save_events.clear()
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Finished requests whose last objects are written (or given up): vLLM may free
-        their blocks."""
+        """Finished requests whose last objects are copied out: vLLM may free their blocks."""
         for req_id in finished_req_ids:
             self._poisoned.pop(req_id, None)
-        if not self._finishing:
-            return set()
-        done = {r for r, futures in self._finishing.items() if all(f.done() for f in futures)}
-        for r in done:
-            del self._finishing[r]
+        done, self._finished = self._finished, set()
         return done
 
     def end_step(self, meta: StepMetadata | None = None) -> None:
@@ -663,8 +665,6 @@ class WorkerSide:
         self._finish_load()
         if self._held:
             self._release_held()
-        if meta is not None and meta.finish_saves:
-            self._save_finished(meta.finish_saves)
         if self._save_events:
             # vLLM may reuse the saved blocks from the next step on: the forward stream
             # waits (on the GPU, not the host) for this step's save copies.
