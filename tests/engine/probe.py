@@ -7,6 +7,10 @@ cache right after the step. Writes JSON (outputs, cached tokens, chunk keys, con
 stats) and an .npz of the block bytes: chunk key -> [layers, blocks, bytes].
 
     python probe.py --model M --store DIR --out OUT --rounds 2 [--salt S] [--seed N]
+        [--max-tokens N] [--next-turn N]
+
+--next-turn N adds a last round: a conversation's second turn, whose prompt is the first
+round's prompt, its answer, and N new tokens (after a prefix-cache reset, like every round).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ def main() -> int:
     ap.add_argument("--salt", default=None)
     ap.add_argument("--max-batched", type=int, default=1024, help="< prompt: chunked prefill")
     ap.add_argument("--no-connector", action="store_true")
+    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--next-turn", type=int, default=0, help="new tokens of a second turn")
     args = ap.parse_args()
 
     os.environ.update(
@@ -77,16 +83,34 @@ def main() -> int:
 
     rng = random.Random(args.prompt_seed)
     tokens = [rng.randrange(10, 8000) for _ in range(args.tokens)]
-    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     result: dict = {"rounds": []}
     arrays: dict[str, np.ndarray] = {}
-    for r in range(args.rounds):
+
+    def drain() -> None:
+        """Step on while the scheduler holds finished requests (the connector's last saves),
+        as a server's engine loop does; the offline LLM returns before."""
+        import time
+
+        deadline = time.monotonic() + 30
+        while core.scheduler.has_requests() and time.monotonic() < deadline:
+            core.step()
+
+    prompts = [tokens] * args.rounds
+    if args.next_turn:
+        prompts.append(None)  # known once the first round has answered
+    for r, prompt_tokens in enumerate(prompts):
         steps.clear()
-        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if prompt_tokens is None:
+            prompt_tokens = tokens + result["rounds"][0]["output"] + [rng.randrange(10, 8000)
+                                                                      for _ in range(args.next_turn)]
+        prompt = TokensPrompt(prompt_token_ids=prompt_tokens)
         if args.salt:
             prompt["cache_salt"] = args.salt
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
-        saved = [c for s in steps for c in s.saves]
+        drain()
+        finish_saved = [c for s in steps for chunks in s.finish_saves.values() for c in chunks]
+        saved = [c for s in steps for c in s.saves] + finish_saved
         loaded = [c for s in steps for c in s.loads]
         for kind, chunks in (("save", saved), ("load", loaded)):
             for c in chunks:
@@ -96,6 +120,9 @@ def main() -> int:
             "output": list(out.outputs[0].token_ids),
             "num_cached_tokens": out.num_cached_tokens,
             "saved": [c.key for c in saved],
+            "saved_blocks": [len(c.block_ids) for c in saved],
+            "finish_saved": [c.key for c in finish_saved],
+            "prompt_tokens": len(prompt_tokens),
             "loaded": [c.key for c in loaded],
         })
         llm.reset_prefix_cache()

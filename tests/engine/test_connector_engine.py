@@ -17,8 +17,12 @@ from probing import ProbeRun, run_probe
 
 from kvlab.model import ensure_tiny
 
-# 2 full chunks of 512 tokens and a tail; prefill in steps of 512 tokens (chunked prefill).
+# 2 full chunks of 512 tokens, a tail object of 2 blocks of 128 and 20 tokens past it;
+# prefill in steps of 512 tokens (chunked prefill).
 PROMPT = ["--tokens", "1300", "--max-batched", "512"]
+# Not a chunk multiple: 7 chunks, a tail object of 3 blocks, 32 tokens past it.
+LONG = ["--tokens", "4000", "--max-batched", "1024"]
+LONG_HIT = 7 * 512 + 3 * 128
 
 
 def same_kv(saved: np.ndarray, restored: np.ndarray) -> bool:
@@ -49,8 +53,8 @@ def recompute(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pro
 
 def test_chunked_prefill_saves_every_chunk(first_life: tuple[ProbeRun, Path]) -> None:
     run, _ = first_life
-    assert len(run.round(0)["saved"]) == 2, "both full chunks must be saved, not only the first prefill step"
-    assert run.result["stats"]["objects_written"] == 2
+    assert run.round(0)["saved_blocks"] == [4, 4, 2], "both full chunks and the tail, not only the first step's"
+    assert run.result["stats"]["objects_written"] == 3
     assert run.result["stats"]["saves_dropped"] == 0
 
 
@@ -58,7 +62,7 @@ def test_warm_restore_is_byte_exact(first_life: tuple[ProbeRun, Path]) -> None:
     run, _ = first_life
     r0, r1 = run.round(0), run.round(1)
     assert r1["loaded"] == r0["saved"]
-    assert r1["num_cached_tokens"] >= 1024
+    assert r1["num_cached_tokens"] >= 1024 + 256
     for key in r0["saved"]:
         assert same_kv(run.saved(0, key), run.loaded(1, key)), f"chunk {key} differs after the restore"
 
@@ -90,7 +94,7 @@ def test_corrupted_object_is_recomputed(first_life: tuple[ProbeRun, Path], tiny_
     copy = tmp_path / "store"
     shutil.copytree(store, copy)
     fragments = sorted(p for p in copy.rglob("*.0-1.*") if p.is_file())
-    assert len(fragments) == 2
+    assert len(fragments) == 3
     victim = fragments[0]
     data = bytearray(victim.read_bytes())
     data[3 * (1 << 20) + 3 * 4096 + 123] ^= 0xFF  # inside a section's payload
@@ -114,8 +118,85 @@ def test_reseeded_model_at_the_same_path_never_hits(tmp_path: Path) -> None:
     shutil.copytree(ensure_tiny(seed=0), model)
     store = tmp_path / "store"
     old = run_probe(tmp_path / "old", model, store, *PROMPT)
-    assert len(old.round(0)["saved"]) == 2
+    assert len(old.round(0)["saved"]) == 3
     shutil.rmtree(model)
     shutil.copytree(ensure_tiny(seed=1), model)
     new = run_probe(tmp_path / "new", model, store, *PROMPT)
     assert new.round(0)["loaded"] == [] and new.round(0)["num_cached_tokens"] == 0
+
+
+# ---- block-granular restores, the next turn, repair ----------------------------------
+@pytest.fixture(scope="module")
+def long_life(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[ProbeRun, Path]:
+    d = tmp_path_factory.mktemp("long")
+    return run_probe(d / "probe", tiny_model, d / "store", *LONG, "--rounds", "2"), d / "store"
+
+
+def test_a_prompt_past_its_last_chunk_is_restored_with_its_tail(long_life: tuple[ProbeRun, Path]) -> None:
+    run, _ = long_life
+    r0, r1 = run.round(0), run.round(1)
+    assert r0["saved_blocks"] == [4] * 7 + [3], "7 chunks and a tail object of the 3 whole blocks past them"
+    assert r1["loaded"] == r0["saved"]
+    assert r1["num_cached_tokens"] == LONG_HIT, "every whole block but the one vLLM must compute"
+    for key in r0["saved"]:
+        assert same_kv(run.saved(0, key), run.loaded(1, key)), f"object {key} differs after the restore"
+    assert r1["output"] == r0["output"]
+
+
+def test_the_byte_check_catches_a_mutated_tail(long_life: tuple[ProbeRun, Path]) -> None:
+    run, _ = long_life
+    tail = run.round(0)["saved"][-1]
+    saved, restored = run.saved(0, tail), run.loaded(1, tail)
+    assert saved.shape[1] == 3 and same_kv(saved, restored)
+    assert not same_kv(saved, swap_k_and_v(restored)), "K and V swapped must fail the check"
+    assert not same_kv(saved, shift_blocks(restored)), "blocks shifted by one must fail the check"
+    swapped = restored.copy()
+    swapped[:, [0, 1]] = restored[:, [1, 0]]
+    assert not same_kv(saved, swapped), "two blocks swapped must fail the check"
+
+
+def test_a_long_prompt_is_restored_with_its_tail_after_a_restart(long_life: tuple[ProbeRun, Path],
+                                                                 tiny_model: Path, tmp_path: Path) -> None:
+    first, store = long_life
+    second = run_probe(tmp_path / "probe", tiny_model, store, *LONG)
+    r = second.round(0)
+    assert r["loaded"] == first.round(0)["saved"] and r["num_cached_tokens"] == LONG_HIT
+    for key in r["loaded"]:
+        assert same_kv(first.saved(0, key), second.loaded(0, key))
+    assert r["output"] == first.round(0)["output"]
+
+
+def test_the_next_turn_restores_through_the_first_answer(tiny_model: Path, tmp_path: Path) -> None:
+    """A first turn of 3700 tokens (7 chunks and 116 tokens) answers 16: the answer
+    completes block 28, saved when the request finishes; the second turn (the first, its
+    answer and 50 new tokens, after a prefix-cache reset) restores through it."""
+    run = run_probe(tmp_path / "probe", tiny_model, tmp_path / "store", "--tokens", "3700", "--max-batched", "1024",
+                    "--max-tokens", "16", "--next-turn", "50")
+    first, turn = run.round(0), run.round(1)
+    assert len(first["output"]) == 16
+    assert first["finish_saved"] and first["saved_blocks"][-1] == 1, "the answer's whole block, at the finish"
+    assert turn["prompt_tokens"] == 3700 + 16 + 50
+    assert turn["loaded"] == first["saved"]
+    assert turn["num_cached_tokens"] == 7 * 512 + 128, "through the answer's tokens"
+    for key in first["saved"]:
+        assert same_kv(run.saved(0, key), run.loaded(1, key))
+
+
+def test_a_corrupt_object_is_recomputed_once_then_restored_from_its_replacement(
+        long_life: tuple[ProbeRun, Path], tiny_model: Path, tmp_path: Path) -> None:
+    first, store = long_life
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    victim_key = first.round(0)["saved"][3]
+    (victim,) = [p for p in copy.rglob(f"{victim_key}.0-1.*") if p.is_file()]
+    data = bytearray(victim.read_bytes())
+    data[2 * (1 << 20) + 2 * 4096 + 123] ^= 0xFF  # inside a section's payload
+    victim.write_bytes(bytes(data))
+    run = run_probe(tmp_path / "probe", tiny_model, copy, *LONG, "--rounds", "2")
+    r0, r1 = run.round(0), run.round(1)
+    assert run.result["stats"]["checksum_failures"] == 1, "a failed load once, then never again"
+    assert victim_key in r0["loaded"] and victim_key in r0["saved"], "recomputed and saved again"
+    assert [k for k in r0["saved"] if k != victim_key] == [], "objects that verified are not written again"
+    assert r1["loaded"] == first.round(0)["saved"] and r1["num_cached_tokens"] == LONG_HIT
+    assert same_kv(run.saved(0, victim_key), run.loaded(1, victim_key))
+    assert r0["output"] == r1["output"] == first.round(0)["output"]

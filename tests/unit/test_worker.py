@@ -212,3 +212,164 @@ def test_io_threads_run_on_every_cpu_of_the_process() -> None:
     t.start()
     t.join()
     assert seen == [process_cpus()] and seen[0] == allowed
+
+
+# ---- tail objects, repair, finished requests (the scheduler side plans them) -------------
+def settle(w: WorkerSide) -> None:
+    """Let the I/O threads finish what they were handed (removals included)."""
+    w.store.engine.submit(lambda: None).result(timeout=10)
+    time.sleep(0.05)
+    w.store.engine.submit(lambda: None).result(timeout=10)
+
+
+def test_a_tail_object_of_fewer_blocks_loads_back(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("e" * 32, [6])])
+    assert w.store.exists(w.ns, "e" * 32, w.layout.shape_of(1))
+    before = {n: t[6].clone() for n, t in kv.items()}
+    assert load(w, kv, [ChunkIO("e" * 32, [11])]) == set()
+    for n, t in kv.items():
+        assert torch.equal(t[11], before[n])
+
+
+def test_a_chunk_loads_short_of_its_last_block(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    for t in kv.values():
+        t[9].fill_(5.0)
+    assert load(w, kv, [ChunkIO("a" * 32, [8, -1])]) == set()
+    for t in kv.values():
+        assert torch.equal(t[8], t[2]) and torch.all(t[9] == 5.0)
+
+
+def forward_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: StepMetadata) -> set[int]:
+    """One step as vLLM drives the worker: loads, each layer's forward and save, the end."""
+    w.start_load(meta)
+    for name, t in kv.items():
+        w.wait_for_layer(name)
+        w.save_layer(name, t, meta)
+    w.end_step(meta)
+    return w.take_load_errors()
+
+
+def corrupt(w: WorkerSide, key: str, shape) -> None:  # type: ignore[no-untyped-def]
+    frag, offset = w.store.placement(key, shape, 1)
+    with open(w.store.fragment_path(w.ns, key, shape, frag), "r+b") as f:
+        f.seek(offset + 17)
+        b = f.read(1)
+        f.seek(offset + 17)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_load_that_fails_removes_its_object(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3]), ChunkIO("b" * 32, [4, 5])])
+    corrupt(w, "a" * 32, w.shape)
+    assert load(w, kv, [ChunkIO("a" * 32, [8, 9], "r"), ChunkIO("b" * 32, [10, 11], "r")]) == {8, 9}
+    settle(w)
+    assert not w.store.exists(w.ns, "a" * 32, w.shape), "the recompute's save must replace it"
+    assert w.store.exists(w.ns, "b" * 32, w.shape), "an object that verified stays"
+
+
+def test_saves_over_a_failed_load_are_given_up_and_the_repair_is_kept(tmp_path: Path) -> None:
+    """The KV a step computes over blocks that never arrived is wrong: the saves of that
+    request in that step, and of that generation later, never become objects."""
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    corrupt(w, "a" * 32, w.shape)
+    meta = StepMetadata(loads=[ChunkIO("a" * 32, [8, 9], "r")],
+                        saves=[ChunkIO("c" * 32, [10, 11], "r"), ChunkIO("d" * 32, [12, 13], "other")])
+    assert forward_step(w, kv, meta) == {8, 9}
+    settle(w)
+    assert not w.store.exists(w.ns, "c" * 32, w.shape), "computed over a failed load"
+    assert w.store.exists(w.ns, "d" * 32, w.shape), "another request's save is not affected"
+    save(w, kv, [ChunkIO("e" * 32, [14, 15], "r", epoch=0)])
+    settle(w)
+    assert not w.store.exists(w.ns, "e" * 32, w.shape), "a later step of the failed generation"
+    save(w, kv, [ChunkIO("a" * 32, [8, 9], "r", epoch=1)])  # the scheduler's repair
+    settle(w)
+    assert w.store.exists(w.ns, "a" * 32, w.shape)
+    assert load(w, kv, [ChunkIO("a" * 32, [6, 7], "s")]) == set()
+
+
+def test_saves_of_a_request_whose_load_verifies_are_written(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    meta = StepMetadata(loads=[ChunkIO("a" * 32, [8, 9], "r")], saves=[ChunkIO("c" * 32, [10, 11], "r")])
+    assert forward_step(w, kv, meta) == set()
+    settle(w)
+    assert w.store.exists(w.ns, "c" * 32, w.shape)
+
+
+def test_a_finished_request_is_saved_from_the_cache_then_reported(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    assert w.get_finished(set()) == set()
+    meta = StepMetadata(finish_saves={"r": [ChunkIO("f" * 32, [4, 5], "r"), ChunkIO("9" * 32, [6], "r")],
+                                      "nothing": []})
+    w.save_finished(meta.finish_saves)  # vLLM's handle_preemptions, before the step zeroes blocks
+    before = {n: t[[4, 5, 6]].clone() for n, t in kv.items()}
+    for t in kv.values():
+        t[[4, 5, 6]] = 0.0  # vLLM may hand the blocks to another request from now on
+    forward_step(w, kv, meta)  # a step without a forward pass has the same calls, less the layers'
+    assert w.get_finished({"r", "nothing"}) == {"r", "nothing"}, "copied out: the blocks may go at once"
+    deadline = time.monotonic() + 10
+    while w.store.stats.objects_written < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.store.exists(w.ns, "f" * 32, w.shape) and w.store.exists(w.ns, "9" * 32, w.layout.shape_of(1))
+    assert load(w, kv, [ChunkIO("f" * 32, [12, 13]), ChunkIO("9" * 32, [14])]) == set()
+    for n, t in kv.items():
+        assert torch.equal(t[[12, 13, 14]], before[n])
+    assert w.get_finished(set()) == set(), "each request is reported once"
+
+
+def test_a_finished_request_is_reported_even_when_its_save_is_dropped(tmp_path: Path) -> None:
+    w, kv = worker(tmp_path)
+    assert w.ring is not None
+    held = [w.ring.acquire() for _ in range(w.ring.num_slots)]
+    w.save_finished({"r": [ChunkIO("f" * 32, [4, 5], "r")]})
+    assert w.get_finished({"r"}) == {"r"} and w.saves_dropped == 1
+    for s in held:
+        w.ring.release(s)
+
+
+class _Forbidden:
+    """Stands for a lock, a thread or a pool that an idle step must not touch."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"an idle step used {self.what}.{name}")
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        raise AssertionError(f"an idle step took {self.what}")
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def __call__(self, *a: object, **kw: object) -> None:
+        raise AssertionError(f"an idle step called {self.what}")
+
+
+def test_a_step_with_nothing_to_load_or_save_takes_no_lock_and_wakes_no_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from kvlab_connector import metrics
+
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    assert load(w, kv, [ChunkIO("a" * 32, [8, 9])]) == set()
+    w.end_step(StepMetadata())  # the step after the last I/O: the gauge goes back to zero
+    m = metrics.metrics()
+    assert m is not None
+    assert w.ring is not None
+    monkeypatch.setattr(w.ring, "_cond", _Forbidden("the ring's lock"))
+    monkeypatch.setattr(w.store, "engine", _Forbidden("the I/O pool"))
+    monkeypatch.setattr(threading, "Thread", _Forbidden("threading.Thread"))
+    monkeypatch.setitem(m, "ring_in_use", _Forbidden("the ring gauge"))
+    monkeypatch.setattr(w.store, "_lock", _Forbidden("the store's lock"))
+    for _ in range(3):  # decode steps: loads and saves empty
+        meta = StepMetadata()
+        assert forward_step(w, kv, meta) == set()
+        assert w.get_finished({"done-1"}) == set()

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 
 KEY_BYTES = 16
-# Bumped whenever the on-drive format or the key derivation changes.
+# Bumped whenever the on-drive format or the key derivation changes. Tail objects (see
+# KeyChain.tail_key) added keys without changing any chunk's key: objects written before
+# them stay valid and readable.
 FORMAT_VERSION = 1
 
 
@@ -47,12 +49,50 @@ def chunk_keys(
     n = len(tokens) // chunk_tokens
     if max_chunks is not None:
         n = min(n, max_chunks)
-    prev = _h(b"kvlab-chain", (cache_salt or "").encode(), chunk_tokens.to_bytes(4, "little"))
+    prev = _chain_seed(chunk_tokens, cache_salt)
     keys = []
     for i in range(n):
         prev = _h(prev, tokens[i * chunk_tokens:(i + 1) * chunk_tokens].tobytes())
         keys.append(prev.hex())
     return keys
+
+
+def _chain_seed(chunk_tokens: int, cache_salt: str | None) -> bytes:
+    return _h(b"kvlab-chain", (cache_salt or "").encode(), chunk_tokens.to_bytes(4, "little"))
+
+
+class KeyChain:
+    """The keys of one request's objects, extended as its tokens grow.
+
+    A chunk object's key is `chunk_keys`'s. A tail object holds the first `blocks` whole
+    blocks of chunk `c` (fewer than a chunk): its key chains over every token before
+    chunk c (the chain value before it) and those blocks' tokens, with the block count
+    in the key, so a tail never shares a key with a chunk or a tail of another length."""
+
+    def __init__(self, chunk_tokens: int, block_tokens: int, cache_salt: str | None = None):
+        self.chunk_tokens, self.block_tokens = chunk_tokens, block_tokens
+        self._chain = [_chain_seed(chunk_tokens, cache_salt)]  # [i]: chain value before chunk i
+
+    def _extend(self, tokens: Sequence[int], chunks: int) -> None:
+        c = self.chunk_tokens
+        while len(self._chain) <= chunks:
+            i = len(self._chain) - 1
+            part = np.asarray(tokens[i * c:(i + 1) * c], dtype=np.int64).astype("<i8", copy=False)
+            if len(part) < c:
+                raise ValueError(f"chunk {i} is not complete: {len(tokens)} tokens")
+            self._chain.append(_h(self._chain[-1], part.tobytes()))
+
+    def chunk_key(self, tokens: Sequence[int], chunk: int) -> str:
+        self._extend(tokens, chunk + 1)
+        return self._chain[chunk + 1].hex()
+
+    def tail_key(self, tokens: Sequence[int], chunk: int, blocks: int) -> str:
+        self._extend(tokens, chunk)
+        start, end = chunk * self.chunk_tokens, chunk * self.chunk_tokens + blocks * self.block_tokens
+        part = np.asarray(tokens[start:end], dtype=np.int64).astype("<i8", copy=False)
+        if not 0 < blocks < self.chunk_tokens // self.block_tokens or len(part) != end - start:
+            raise ValueError(f"no tail of {blocks} blocks in chunk {chunk} of {len(tokens)} tokens")
+        return _h(b"kvlab-tail", self._chain[chunk], blocks.to_bytes(4, "little"), part.tobytes()).hex()
 
 
 def model_fingerprint(model_dir: str | os.PathLike, sample_bytes: int = 1 << 20) -> str:

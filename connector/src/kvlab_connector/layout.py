@@ -27,7 +27,11 @@ class Layout:
 
     @property
     def shape(self) -> ObjectShape:
-        return ObjectShape(len(self.layer_names), self.blocks_per_chunk * self.block_bytes)
+        return self.shape_of(self.blocks_per_chunk)
+
+    def shape_of(self, blocks: int) -> ObjectShape:
+        """An object of `blocks` blocks: a whole chunk, or a tail (scheduler.py)."""
+        return ObjectShape(len(self.layer_names), blocks * self.block_bytes)
 
     def namespace(self, rank: int) -> str:
         return namespace(

@@ -77,6 +77,11 @@ class KvlabConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches, self.num_blocks)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KvlabMetadata)
+        if kv_connector_metadata.step.finish_saves:
+            self._worker.save_finished(kv_connector_metadata.step.finish_saves)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvlabMetadata)
@@ -91,7 +96,13 @@ class KvlabConnector(KVConnectorBase_V1):
         self._worker.save_layer(layer_name, kv_layer, meta.step)
 
     def wait_for_save(self) -> None:
-        self._worker.end_step()
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvlabMetadata)
+        self._worker.end_step(meta.step)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Requests whose blocks request_finished held: copied out by handle_preemptions.
+        return self._worker.get_finished(finished_req_ids) or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
@@ -130,6 +141,14 @@ class KvlabConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return KvlabMetadata(self._scheduler.build_connector_meta(scheduler_output))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(set(connector_output.invalid_block_ids or ()))
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler.request_finished(request)
-        return False, None
+        # True: vLLM holds the blocks until get_finished reports the request's last saves.
+        return self._scheduler.request_finished(request, block_ids), None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a save lost to a preemption is a later miss, nothing more.
+        return False

@@ -29,6 +29,7 @@ import os
 import threading
 import time
 import zlib
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from kvlab_connector.io_posix import spread_over_process_cpus
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import DeviceRing, RingFull, StagingRing
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
-from kvlab_connector.store import ObjectWriter, Store
+from kvlab_connector.store import ObjectShape, ObjectWriter, Store
 
 log = logging.getLogger("vllm.kvlab_connector")
 
@@ -150,6 +151,16 @@ class WorkerSide:
         self._cuda = False
         self._save_stream: Any = None
         self._save_events: list[Any] = []  # this step's save copies, for end_step
+        # Requests whose load failed, with the repair generation (ChunkIO.epoch) it failed
+        # in: their saves of that generation hold KV computed over missing blocks.
+        self._poisoned: dict[str, int] = {}
+        # This step's last sections of saves by requests that also load this step: handed
+        # to their writers at end_step, once the loads have verified (else aborted).
+        self._held: list[tuple[ChunkIO, ObjectWriter, Any, Any]] = []
+        # Finished requests whose blocks vLLM holds: the writes of their last objects.
+        self._finished: set[str] = set()  # finished requests whose last objects are copied out
+        self._removing: dict[str, Future[int]] = {}  # objects whose load failed, being removed
+        self._ring_reported = 0  # ring slots in use, as the gauge last said
         self.saves_dropped = 0
         self.load_error_blocks = 0
 
@@ -260,14 +271,20 @@ class WorkerSide:
         self._direct_copy = False
         self.io_mode = device_io.mode
 
-    def _slot_tensor(self, slot: int) -> torch.Tensor:
-        """A slot's payload as blocks of the paged cache's shape and dtype."""
+    def _slot_tensor(self, slot: int, blocks: int) -> torch.Tensor:
+        """A slot's payload (an object of `blocks` blocks) as blocks of the paged cache's
+        shape and dtype."""
         assert self.ring is not None
+        nbytes = self.layout.shape_of(blocks).section_bytes
         if isinstance(self.ring, DeviceRing):
-            t = self.ring.tensor(slot, self.shape.section_bytes).view(self.dtype)
+            t = self.ring.tensor(slot, nbytes).view(self.dtype)
         else:
-            t = torch.frombuffer(self.ring.buffer(slot, self.shape.section_bytes), dtype=torch.uint8).view(self.dtype)
-        return t.view(self.layout.blocks_per_chunk, *self.block_shape)
+            t = torch.frombuffer(self.ring.buffer(slot, nbytes), dtype=torch.uint8).view(self.dtype)
+        return t.view(blocks, *self.block_shape)
+
+    def _shape(self, chunk: ChunkIO) -> ObjectShape:
+        """A whole chunk's shape, or a tail object's (fewer blocks)."""
+        return self.layout.shape_of(len(chunk.block_ids))
 
     # ---- load -----------------------------------------------------------------------
     def start_load(self, meta: StepMetadata) -> None:
@@ -287,18 +304,19 @@ class WorkerSide:
         spread_over_process_cpus()
         device = isinstance(self.ring, DeviceRing)
         fds: dict[int, list[Any] | None] = {}
+        shapes = [self._shape(chunk) for chunk in load.chunks]
         for c, chunk in enumerate(load.chunks):
             if device:
-                fds[c] = self.store.open_object_device(self.ns, chunk.key, self.shape)
+                fds[c] = self.store.open_object_device(self.ns, chunk.key, shapes[c])
             else:
-                fds[c] = self.store.open_object(self.ns, chunk.key, self.shape)
+                fds[c] = self.store.open_object(self.ns, chunk.key, shapes[c])
             if fds[c] is None:
                 for layer in range(len(self.kv)):
                     load.done_one(layer, c, False)
         pending = [0]
         pending_lock = threading.Condition()
         n_layers = len(self.kv)
-        per_run = self._sections_per_read()
+        per_run = self._sections_per_read(self.shape)
         # Layers go in groups: a group is read before the next one starts, and within a
         # group each fragment file gives runs of up to `per_run` adjacent sections, one
         # request each. Layer n is ready once its group has landed.
@@ -308,7 +326,8 @@ class WorkerSide:
             for c, chunk in enumerate(load.chunks):
                 if fds[c] is None:
                     continue
-                for run in self.store.read_runs(chunk.key, self.shape, layers, per_run):
+                shape = shapes[c]
+                for run in self.store.read_runs(chunk.key, shape, layers, self._sections_per_read(shape)):
                     if load.cancelled or c in load.failed_chunks:
                         for layer in run:
                             load.done_one(layer, c, False)
@@ -327,11 +346,11 @@ class WorkerSide:
                         pending[0] += len(run)
                     if device:
                         fut = self.store.submit_read_sections_device(
-                            fds[c], self.ns, chunk.key, self.shape, run, [self.ring.tensor(s) for s in slots], self.tag
+                            fds[c], self.ns, chunk.key, shape, run, [self.ring.tensor(s) for s in slots], self.tag
                         )
                     else:
                         fut = self.store.submit_read_sections(
-                            fds[c], self.ns, chunk.key, self.shape, run, [self.ring.buffer(s) for s in slots],
+                            fds[c], self.ns, chunk.key, shape, run, [self.ring.buffer(s) for s in slots],
                             self.tag,
                         )
                     fut.add_done_callback(
@@ -352,15 +371,15 @@ class WorkerSide:
                     else:
                         os.close(fd)
                 if c not in load.failed_chunks:
-                    self.store.touch(self.ns, load.chunks[c].key, self.shape)
+                    self.store.touch(self.ns, load.chunks[c].key, shapes[c])
 
-    def _sections_per_read(self) -> int:
+    def _sections_per_read(self, shape: ObjectShape) -> int:
         """Adjacent sections of one fragment file read by one request (store.READ_REQUEST_BYTES),
         never more than the ring can lend at once."""
         assert self.ring is not None
         if isinstance(self.ring, DeviceRing):
             return 1  # device slots are not adjacent; kvikio splits each request itself
-        return self.store.sections_per_read(self.shape, min(len(self.kv), self.ring.num_slots // 2))
+        return self.store.sections_per_read(shape, min(len(self.kv), self.ring.num_slots // 2))
 
     def _landed(self, load: _Load, layer: int, c: int, slot: int, ok: bool, pending: list[int], cv) -> None:  # type: ignore[no-untyped-def]
         assert self.ring is not None
@@ -412,7 +431,7 @@ class WorkerSide:
         with side_stream(dst.device):
             if after is not None:
                 torch.cuda.current_stream().wait_event(after)
-            src_t = self._slot_tensor(slot)
+            src_t = self._slot_tensor(slot, len(block_ids))
             if len(sel) != len(block_ids):
                 src_t = src_t[sel]
             if dst.device != src_t.device:
@@ -445,7 +464,18 @@ class WorkerSide:
         with load.lock:
             failed = set(range(len(load.chunks))) if all_chunks else set(load.failed_chunks)
         for c in failed:
-            self._load_errors.update(b for b in load.chunks[c].block_ids if b >= 0)
+            chunk = load.chunks[c]
+            self._load_errors.update(b for b in chunk.block_ids if b >= 0)
+            self._poisoned[chunk.req_id] = max(chunk.epoch, self._poisoned.get(chunk.req_id, -1))
+            # A load that failed (checksum, short or missing section, timeout) removes
+            # its object, so that the recompute's save replaces it instead of every later
+            # request failing on it again. On an I/O thread: a hung drive must not hang
+            # the engine. Should it land after the replacement, that costs a miss, never
+            # wrong KV.
+            try:
+                self._removing[chunk.key] = self.store.engine.submit(self.store.remove, self.ns, chunk.key)
+            except RuntimeError:
+                pass  # the store is closing
 
     def _finish_load(self) -> None:
         """At the end of a step: every layer accounted for, failures reported."""
@@ -473,6 +503,24 @@ class WorkerSide:
         return errors
 
     # ---- save -----------------------------------------------------------------------
+    def _poisoned_save(self, chunk: ChunkIO) -> bool:
+        return self._poisoned.get(chunk.req_id, -1) >= chunk.epoch
+
+    def _removed(self, key: str) -> bool:
+        """Whether a save of this key may begin: a removal of its failed object (handed to
+        the I/O threads a step or more ago) must not land after the replacement."""
+        removal = self._removing.pop(key, None)
+        if removal is None:
+            return True
+        try:
+            removal.result(timeout=1.0)
+        except TimeoutError:
+            self._removing[key] = removal  # a hung drive: no replacement on it for now
+            return False
+        except Exception:
+            pass  # the removal failed: the replacement overwrites the object
+        return True
+
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: StepMetadata) -> None:
         if not meta.saves or not self.saves_enabled:
             return
@@ -480,12 +528,17 @@ class WorkerSide:
         if layer is None or self.ring is None:
             return
         n_layers = len(self.kv)
+        loading = {c.req_id for c in meta.loads}
         for chunk in meta.saves:
+            if self._poisoned_save(chunk):
+                continue  # computed over blocks that failed to load (end_step aborts it)
             entry = self._writers.get(chunk.key)
             if entry is None:
-                if layer != 0:
+                if layer != 0 or not self._removed(chunk.key):
                     continue  # the step began before this chunk was planned
-                writer = self.store.begin_write(self.ns, chunk.key, self.shape, self.layout.chunk_tokens, self.tag)
+                writer = self.store.begin_write(
+                    self.ns, chunk.key, self._shape(chunk), len(chunk.block_ids) * self.layout.block_size, self.tag
+                )
                 entry = (writer, 0)
                 self._writers[chunk.key] = entry
             writer, submitted = entry
@@ -499,13 +552,17 @@ class WorkerSide:
                 self.saves_dropped += 1
                 metrics.inc("saves_dropped")
                 continue
-            self._save_section(writer, layer, kv_layer, chunk.block_ids, slot)
+            # The KV this step computed for a request that also loads this step is only
+            # right if the load verifies: its last section waits for end_step.
+            hold = chunk if layer == n_layers - 1 and chunk.req_id in loading else None
+            self._save_section(writer, layer, kv_layer, chunk.block_ids, slot, hold)
             self._writers[chunk.key] = (writer, submitted + 1)
 
     def _save_section(self, writer: ObjectWriter, layer: int, kv_layer: torch.Tensor, block_ids: list[int],
-                      slot: int) -> None:
-        """Copy a chunk's blocks of one layer into a slot and hand the slot to the writer.
-        On a GPU the copy runs on the save stream and the write is queued once it is done."""
+                      slot: int, hold: ChunkIO | None = None) -> None:
+        """Copy an object's blocks of one layer into a slot and hand the slot to the writer
+        (with `hold`, the object being saved: at end_step, see _release_held). On a GPU the copy runs
+        on the save stream and the write is queued once it is done."""
         assert self.ring is not None
         device_slot = isinstance(self.ring, DeviceRing)
 
@@ -518,13 +575,16 @@ class WorkerSide:
             else:
                 writer.submit_section(layer, self.ring.buffer(slot), release)  # type: ignore[union-attr]
 
-        dst = self._slot_tensor(slot)
+        dst = self._slot_tensor(slot, len(block_ids))
         if not self._cuda:
             ids = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
             if kv_layer.device == dst.device and self.blocks_dim == 0:
                 torch.index_select(kv_layer, 0, ids, out=dst)  # one copy, paged cache → slot
             else:
                 dst.copy_(kv_layer.index_select(self.blocks_dim, ids).movedim(self.blocks_dim, 0))
+            if hold is not None:
+                self._held.append((hold, writer, release, submit))
+                return
             submit()
             return
         forward = torch.cuda.current_stream()
@@ -546,11 +606,65 @@ class WorkerSide:
                 return
             submit()
 
+        if hold is not None:
+            self._held.append((hold, writer, release, lambda: self.store.engine.submit(submit_when_copied)))
+            return
         self.store.engine.submit(submit_when_copied)
 
-    def end_step(self) -> None:
+    def _release_held(self) -> None:
+        """The held last sections: written where the request's loads verified, else their
+        objects are given up."""
+        held, self._held = self._held, []
+        for chunk, writer, release, go in held:
+            if self._poisoned_save(chunk):
+                writer.abort(1)
+                release(False)
+            else:
+                go()
+
+    def save_finished(self, finish_saves: dict[str, list[ChunkIO]]) -> None:
+        """Finished requests' last objects (their answers' whole blocks), copied from the
+        paged cache into ring slots at the start of the next step (vLLM's
+        handle_preemptions: before anything may zero or overwrite the blocks), then written
+        like any save. vLLM holds the blocks until get_finished, at the end of this same
+        step, reports them: one step, not the time a drive takes."""
+        for req_id, chunks in finish_saves.items():
+            for chunk in chunks:
+                if not self.saves_enabled or self.ring is None or self._poisoned_save(chunk) \
+                        or not self._removed(chunk.key):
+                    continue
+                writer = self.store.begin_write(
+                    self.ns, chunk.key, self._shape(chunk), len(chunk.block_ids) * self.layout.block_size, self.tag
+                )
+                for layer, kv_layer in enumerate(self.kv):
+                    try:
+                        slot = self.ring.acquire(timeout_s=self.config.save_slot_wait_s)
+                    except RingFull:
+                        writer.abort(len(self.kv) - layer)
+                        self.saves_dropped += 1
+                        metrics.inc("saves_dropped")
+                        break
+                    self._save_section(writer, layer, kv_layer, chunk.block_ids, slot)
+            self._finished.add(req_id)
+        if self._save_events:
+            # GPU: the step's first kernels (zeroing new blocks, the forward) wait for the copies.
+            forward = torch.cuda.current_stream()
+            for ev in self._save_events:
+                forward.wait_event(ev)
+            self._save_events.clear()
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose last objects are copied out: vLLM may free their blocks."""
+        for req_id in finished_req_ids:
+            self._poisoned.pop(req_id, None)
+        done, self._finished = self._finished, set()
+        return done
+
+    def end_step(self, meta: StepMetadata | None = None) -> None:
         """After the forward: saves are queued (not waited for); loads accounted for."""
         self._finish_load()
+        if self._held:
+            self._release_held()
         if self._save_events:
             # vLLM may reuse the saved blocks from the next step on: the forward stream
             # waits (on the GPU, not the host) for this step's save copies.
@@ -562,10 +676,14 @@ class WorkerSide:
             if 0 <= submitted < len(self.kv):
                 writer.abort(len(self.kv) - submitted)  # a layer never came: not an object
         self._writers.clear()
-        if self.ring is not None:
+        # A step with nothing to load or save takes no lock (the ring's, the gauge's): the
+        # gauge is read after steps with I/O and until it is back at zero.
+        had_io = meta is not None and bool(meta.loads or meta.saves or meta.finish_saves)
+        if self.ring is not None and (had_io or self._ring_reported):
             m = metrics.metrics()
             if m is not None:
-                m["ring_in_use"].set(self.ring.in_use)
+                self._ring_reported = self.ring.in_use
+                m["ring_in_use"].set(self._ring_reported)
 
     def counters(self) -> dict[str, Any]:
         s = self.store.stats
