@@ -18,9 +18,10 @@ from pathlib import Path
 import numpy as np
 
 KEY_BYTES = 16
-# Bumped whenever the on-drive format or the key derivation changes. Tail objects (see
-# KeyChain.tail_key) added keys without changing any chunk's key: objects written before
-# them stay valid and readable.
+# Bumped whenever the key derivation changes (the sections' on-drive format carries its own
+# version in every trailer's magic: store_format). Tail objects (see KeyChain.tail_key) added
+# keys without changing any chunk's key. Objects written before trailer format 2 (the write
+# id in every section) are clean misses by their magic, and evicted like the rest.
 FORMAT_VERSION = 1
 
 
