@@ -145,6 +145,7 @@ class FakeEngineProc:
 @dataclass
 class FakeDeployment:
     kv_transfer_config: None = None
+    serves_dev_routes: bool = True  # bound to loopback: /reset_prefix_cache is served
 
 
 @dataclass

@@ -37,13 +37,13 @@ def run_restore(srv: EngineServer, monkeypatch: pytest.MonkeyPatch) -> tuple[lis
 
 def test_loopback_engine_resets_and_measures_warm_restores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     records, _, phases = run_restore(server("127.0.0.1", tmp_path), monkeypatch)
-    assert phases == ["compute", "warm", "warm", "reset", "reset"]
+    assert phases == ["warmup", "compute", "warm", "warm", "reset", "reset"]
     assert not [r for r in records if r.get("kind") == "error"]
 
 
 def test_network_engine_says_it_cannot_reset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     records, notes, phases = run_restore(server("0.0.0.0", tmp_path), monkeypatch)
-    assert phases == ["compute"], "no warm phase, and no reset through any route"
+    assert phases == ["warmup", "compute"], "no warm phase, and no reset through any route"
     [err] = [r for r in records if r.get("kind") == "error"]
     assert "warm restores not measured" in err["message"] and "127.0.0.1" in err["message"]
     assert any("warm restores not measured" in n for n in notes)
