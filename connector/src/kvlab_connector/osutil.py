@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import os
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_caches(level: int, control: str | os.PathLike = DROP_CACHES) -> str | None:
+    """Write dirty pages back, then write `level` to the kernel's drop_caches (1: the page
+    cache; 3: dentries and inodes too). None when it was done; otherwise why not (not root,
+    a read-only /proc, ...), for the caller's record."""
+    os.sync()  # dirty pages cannot be dropped: written back first, they can
+    try:
+        with open(control, "w") as f:
+            f.write(f"{level}\n")
+    except OSError as e:
+        return f"cannot write {level} to {control}: {e.strerror or e}"
+    return None
+
 
 def drop_page_cache() -> bool:
-    """Drop the kernel's page cache so that a read comes from the drives; False if not allowed."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    """Drop the kernel's caches so that a read comes from the drives; False if not allowed."""
+    return drop_caches(3) is None
 
 
 def syncfs(path: str | os.PathLike) -> bool:

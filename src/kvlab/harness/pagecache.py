@@ -9,18 +9,11 @@ and a cold directory lookup would charge each tier for the number of files it op
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+from kvlab_connector.osutil import DROP_CACHES, drop_caches
 
 
-def drop_page_cache(control: Path = DROP_CACHES) -> str | None:
-    """Write dirty pages back, then drop the clean page cache. None when it was dropped;
-    otherwise why not (not root, a read-only /proc, ...), for the record."""
-    os.sync()  # dirty pages cannot be dropped: written back first, they can
-    try:
-        with open(control, "w") as f:
-            f.write("1\n")
-    except OSError as e:
-        return f"cannot write 1 to {control}: {e.strerror or e}"
-    return None
+def drop_page_cache(control: str | os.PathLike = DROP_CACHES) -> str | None:
+    """Drop the clean page cache (dirty pages written back first). None when it was dropped;
+    otherwise why not, for the record."""
+    return drop_caches(1, control)
