@@ -118,7 +118,7 @@ def play(campaign_file: Path, tmp: Path, extra: tuple[str, ...] = (), expect_ok:
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}",
     }
     try:
-        r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PLAY_TIMEOUT_S,
+        r = subprocess.run(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PLAY_TIMEOUT_S,
                            check=False)
     finally:
         stop_leftovers(str(tmp / "node"))

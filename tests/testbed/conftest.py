@@ -62,7 +62,7 @@ class Testbed:
         )
         return subprocess.run(
             [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(self.inventory), *args],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
 
     def console_logs(self) -> str:

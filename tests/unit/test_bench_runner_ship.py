@@ -132,7 +132,7 @@ def ship(tmp_path: Path, campaign_file: Path, *extra: str) -> subprocess.Complet
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
            "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1",
            "ANSIBLE_LOCAL_TEMP": str(tmp_path / ".ansible-tmp")}
-    return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(argv, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_the_role_ships_the_campaign_and_its_trace_and_the_copy_still_finds_it(

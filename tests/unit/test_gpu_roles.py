@@ -28,7 +28,7 @@ def play(tmp: Path, tasks: list[dict], extra: dict | None = None, vars_files: tu
     return subprocess.run(
         [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", str(pb),
          "-e", json.dumps({"ansible_python_interpreter": sys.executable, **(extra or {})})],
-        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
 
 

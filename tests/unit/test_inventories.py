@@ -154,7 +154,7 @@ def test_a_play_that_matches_no_host_fails_the_run(tmp_path):
         "  tasks:\n    - name: Say\n      ansible.builtin.debug: {msg: reached}\n"
     )
     res = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(tmp_path / "hosts.yml"),
-                          str(tmp_path / "p.yml")], env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+                          str(tmp_path / "p.yml")], env=ENV, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode != 0, res.stdout
     assert "play 'Nothing to configure' matches no host" in res.stderr and "nvmeof_targets" in res.stderr
     assert "reached" not in res.stdout
@@ -163,7 +163,7 @@ def test_a_play_that_matches_no_host_fails_the_run(tmp_path):
 def make(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     venv = Path(sys.executable).parent.parent
     return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), *args, f"VENV={venv}"], env=ENV,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
 def test_deploy_on_the_local_inventory_says_what_it_runs():

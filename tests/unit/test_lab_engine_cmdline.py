@@ -48,6 +48,7 @@ def run_plan(inventory: Path | str, out: Path, *extra: str) -> Path:
     """scripts/plan into `out`; fails with ansible's output when it fails."""
     proc = subprocess.run(
         [str(ROOT / "scripts" / "plan"), str(inventory), str(out), *extra],
+        stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
         timeout=600,

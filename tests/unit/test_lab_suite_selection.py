@@ -25,7 +25,7 @@ def lab_suite(tmp: Path, expected: bool) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "kvlab.verify", "tests/lab",
          "--hosts=ansible://gpu_nodes", f"--ansible-inventory={inv}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CI": "", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300, cwd=ROOT, env=os.environ | {"CI": "", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"},
     )
 
 

@@ -198,9 +198,13 @@ def ssh_base(state: MachineState, key: Path) -> list[str]:
 
 
 def ssh(state: MachineState, key: Path, command: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    # Its own /dev/null for stdin: ssh makes a non-tty stdin non-blocking, and one that is killed on a
+    # timeout leaves it so; inherited, that is our stdin's open file, shared with every later child
+    # (ansible-playbook then refuses to start).
     return subprocess.run(
-        [*ssh_base(state, key), command], capture_output=True, text=True, timeout=timeout, check=False
-    )
+        [*ssh_base(state, key), command],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
 
 
 def wait_ssh(state: MachineState, key: Path, timeout: float) -> float:
