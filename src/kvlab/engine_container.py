@@ -67,6 +67,7 @@ class ContainerEngineServer(EngineServer):
     def __init__(self, deployment: setups.Deployment, log_dir: Path, names: list[str]):
         super().__init__(deployment, log_dir)
         self.names = names
+        self._inner: dict[tuple[str, int], int] = {}
 
     def stop(self) -> None:
         try:
@@ -83,6 +84,28 @@ class ContainerEngineServer(EngineServer):
             self.companion.stop()
             self._rm(self.names[1:])
         return self.start(progress)
+
+    def memory(self) -> dict:
+        """Each container's process tree: its processes are conmon's children, not the `podman
+        run` process's, so the PID the harness started holds none of the engine's memory."""
+        from kvlab.harness.memory import process_tree
+
+        out = {}
+        for (role, pid), name in zip(self.pids().items(), [*self.names, None], strict=False):
+            inner = self._container_pid(name, pid) if pid is not None and name else None
+            out[role] = process_tree(inner) if inner else None
+        return out
+
+    def _container_pid(self, name: str, podman_pid: int) -> int | None:
+        key = (name, podman_pid)  # one lookup per life of the container
+        if key not in self._inner:
+            res = subprocess.run([*container.inspect_pid_argv(name)], env=container.podman_env(),
+                                 capture_output=True, text=True, check=False)  # fmt: skip
+            pid = int(res.stdout.strip() or 0) if res.returncode == 0 else 0
+            if not pid:
+                return None  # not started yet: ask again at the next sample
+            self._inner[key] = pid
+        return self._inner[key]
 
     def remove_containers(self) -> None:
         self._rm(self.names)

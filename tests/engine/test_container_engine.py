@@ -107,3 +107,32 @@ def test_the_same_greedy_outputs_from_the_image_and_the_venv(
     assert (
         local[1][0] and local[1][0] >= 1024 and local[0][1]
     )  # the second one restored, and tokens came back
+
+
+def test_the_sbom_lists_every_locked_wheel_with_its_hash(container_engines) -> None:
+    from kvlab.images import serve
+
+    lock = serve.parse_wheel_lock((HERE.parents[1] / "images/serve/cpu/requirements.lock").read_text())
+    bom = json.loads((container_engines.store / "sbom.cdx.json").read_text())
+    wheels = {}
+    for comp in bom["components"]:
+        if comp.get("purl", "").startswith("pkg:pypi/"):
+            wheels[comp["name"].lower().replace("_", "-")] = (
+                comp["version"],
+                {h["content"] for h in comp["hashes"]},
+            )
+    assert set(wheels) == set(lock)
+    for name, (version, hashes) in wheels.items():
+        assert version == lock[name][0] and hashes and hashes <= set(lock[name][1]), name
+
+
+def test_memory_samples_the_containers_processes(runs) -> None:
+    # the `podman run` process itself holds ~50 MiB; the engine's processes are conmon's children
+    for kind, run_dir in runs.items():
+        recs = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+        peak = max(
+            (r.get("engine_rss_bytes") or 0)
+            for r in recs
+            if r.get("kind") == "memory" and r["setup"] == "kvlab"
+        )
+        assert peak > 300 << 20, (kind, peak)
