@@ -25,24 +25,37 @@ class ImageLoadError(EngineError):
     pass
 
 
-def load_image(archive: Path, manifest_digest: str, podman: str = "podman") -> str:
+def _inspect(ref: str, podman: str) -> dict | None:
+    res = subprocess.run([podman, "image", "inspect", ref], capture_output=True, text=True,
+                         env=container.podman_env(), check=False)  # fmt: skip
+    return json.loads(res.stdout)[0] if res.returncode == 0 else None
+
+
+def _holds(img: dict, manifest_digest: str) -> bool:
+    return any(d and d.endswith(manifest_digest) for d in {img.get("Digest"), *img.get("RepoDigests", [])})
+
+
+def load_image(
+    archive: Path, manifest_digest: str, config_digest: str | None = None, podman: str = "podman"
+) -> str:
     """`podman load` the archive; returns the loaded image's ID after checking that podman holds
-    the manifest the build wrote (a node checks the same before it runs the image)."""
-    env = container.podman_env()
+    the manifest the build wrote (a node checks the same before it runs the image). An image that
+    podman already holds under the build's config digest, with its manifest, is not loaded again
+    (a 4 GB archive takes a minute or more)."""
+    if config_digest:
+        img = _inspect(config_digest.removeprefix("sha256:"), podman)
+        if img is not None and _holds(img, manifest_digest):
+            return img["Id"]
     res = subprocess.run([podman, "load", "--quiet", "--input", str(archive)], capture_output=True, text=True,
-                         env=env, check=False)  # fmt: skip
+                         env=container.podman_env(), check=False)  # fmt: skip
     if res.returncode:
         raise ImageLoadError(f"podman load {archive} failed: {res.stderr.strip()[-500:]}")
     # podman load names the image by the archive's ref annotation: "Loaded image: NAME"
     name = res.stdout.strip().splitlines()[-1].split(":", 1)[1].strip()
-    info = subprocess.run(
-        [podman, "image", "inspect", name], capture_output=True, text=True, env=env, check=False
-    )
-    if info.returncode:
-        raise ImageLoadError(f"podman image inspect {name}: {info.stderr.strip()}")
-    img = json.loads(info.stdout)[0]
-    digests = {img.get("Digest"), *img.get("RepoDigests", [])}
-    if not any(d and d.endswith(manifest_digest) for d in digests):
+    img = _inspect(name, podman)
+    if img is None:
+        raise ImageLoadError(f"podman image inspect {name}: no such image after podman load {archive}")
+    if not _holds(img, manifest_digest):
         raise ImageLoadError(
             f"{archive}: podman loaded manifest {img.get('Digest')}, the build wrote {manifest_digest}; "
             "the archive is not the one built (copy it again)"
@@ -131,7 +144,7 @@ class ContainerEngines:
         self.archive = self.store / manifest["artifact"]
         self.digest = build.digest(self.store)  # sha256:HEX of the archive
         self.manifest_digest = meta["manifest_digest"]
-        self.image_id = load_image(self.archive, self.manifest_digest)
+        self.image_id = load_image(self.archive, self.manifest_digest, meta["config_digest"])
 
     def deployment(self, setup: str, params: setups.EngineParams) -> setups.Deployment:
         params = params.with_(python="python3")  # the image's interpreter
