@@ -456,7 +456,9 @@ def rootfs(
                 *(f"--customize-hook={h}" for h in customize),
                 defn.release,
                 str(out),
-                f"deb [trusted=yes] file://{repo} ./",
+                # copy://: apt copies each file into the chroot's archives (file:// would need the
+                # repository bind-mounted inside the chroot for dpkg to reach it)
+                f"deb [trusted=yes] copy://{repo} ./",
             ],
             work / "mmdebstrap.log",
         )
