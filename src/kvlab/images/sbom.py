@@ -11,6 +11,7 @@ Deterministic: components sorted, no timestamp, the serial number derived from t
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from pathlib import Path
 
@@ -21,11 +22,16 @@ SPEC_VERSION = "1.5"
 _SERIAL_NS = uuid.UUID("6c0e3f4a-2b1d-5e8f-9a7c-3d2e1f0a4b5c")
 
 
+def _key(kind: str, name: str) -> str:
+    """A package's name as its ecosystem compares them (PyPI: case and -_. alike)."""
+    return re.sub(r"[-_.]+", "-", name).lower() if kind == "wheel" else name
+
+
 def purl(c: Component) -> str:
     if c.kind == "deb":
         return f"pkg:deb/debian/{c.name}@{c.version}" + (f"?arch={c.arch}" if c.arch else "")
     if c.kind == "wheel":
-        return f"pkg:pypi/{c.name.lower().replace('_', '-')}@{c.version}"
+        return f"pkg:pypi/{_key(c.kind, c.name)}@{c.version}"
     raise ValueError(f"component {c.name}: kind {c.kind!r} is neither deb nor wheel")
 
 
@@ -78,3 +84,26 @@ def read_components(path: Path) -> dict[str, str]:
         sha = [h["content"] for h in c.get("hashes", []) if h.get("alg") == "SHA-256"]
         out[c["purl"]] = sha[0] if sha else ""
     return out
+
+
+def against_lock(path: Path, kind: str, lock: dict[str, tuple[str, str]]) -> list[str]:
+    """What an SBOM gets wrong about a lock (name -> (version, sha256)) of one kind ("deb" or
+    "wheel"): each locked package missing, at another version or with another hash; [] if none."""
+    doc = json.loads(path.read_text())
+    prefix = {"deb": "pkg:deb/debian/", "wheel": "pkg:pypi/"}[kind]
+    have: dict[str, tuple[str, str]] = {}
+    for c in doc.get("components", []):
+        ref = c.get("purl", "")
+        if ref.startswith(prefix):
+            sha = [h["content"] for h in c.get("hashes", []) if h.get("alg") == "SHA-256"]
+            have[_key(kind, c["name"])] = (c["version"], sha[0] if sha else "")
+    problems = []
+    for name, (version, sha) in sorted(lock.items()):
+        got = have.get(_key(kind, name))
+        if got is None:
+            problems.append(f"{name}: not in the SBOM")
+        elif got[0] != version:
+            problems.append(f"{name}: SBOM has version {got[0]}, the lock {version}")
+        elif got[1] != sha:
+            problems.append(f"{name}: SBOM has sha256 {got[1] or 'none'}, the lock {sha}")
+    return problems
