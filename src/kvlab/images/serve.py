@@ -28,9 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvlab import paths
-from kvlab.images import ImageError
-from kvlab.images import oci
-from kvlab.images.identity import Built, Component, files_under, sha256_file
+from kvlab.images import ImageError, debian, oci
+from kvlab.images.identity import Built, Component, sha256_file
 
 FLAVORS = ("cpu", "cuda")
 # pip itself is a build tool here, not a component: run from its wheel inside the chroot
@@ -41,7 +40,6 @@ PIP_WHEEL = (
 SITE = "usr/local/lib/python3.11/dist-packages"  # on Debian python3's sys.path
 CONNECTOR_SITE = "opt/kvlab/site"
 ARCHIVE = "serve.oci.tar"
-HOST_TOOLS = (["mmdebstrap", "--version"],)
 IMAGE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     "PYTHONPATH": f"/{CONNECTOR_SITE}",
@@ -63,7 +61,7 @@ def _connector_files() -> list[Path]:
 def inputs(flavor: str) -> list[Path]:
     r = root()
     return [
-        *files_under(r / "base"),
+        *debian.inputs(r / "base"),
         r / flavor / "requirements.in",
         r / flavor / "requirements.lock",
         Path(__file__),
@@ -73,14 +71,7 @@ def inputs(flavor: str) -> list[Path]:
 
 
 def tools(flavor: str) -> str:
-    out = [f"pip {PIP_WHEEL[1]}"]
-    for cmd in HOST_TOOLS:
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            out.append(((res.stdout + res.stderr).splitlines() or [cmd[0]])[0])
-        except FileNotFoundError:
-            out.append(f"{cmd[0]} missing")
-    return "\n".join(out)
+    return f"pip {PIP_WHEEL[1]}\n{debian.tools_fingerprint()}"
 
 
 # ---- the wheel lock and the wheel cache -------------------------------------------------------
@@ -208,10 +199,8 @@ def _chroot(rootfs: Path, script: str, log_file: Path) -> None:
         raise ImageError(f"in the image's rootfs: {script.splitlines()[0]} failed (log {log_file}):\n{tail}")
 
 
-def _definition():
-    from kvlab.testbed.image import Definition
-
-    return Definition.load(root() / "base")
+def _definition() -> debian.Definition:
+    return debian.Definition.load(root() / "base")
 
 
 def _hardlink_or_copy(src: Path, dst: Path) -> None:
@@ -222,54 +211,26 @@ def _hardlink_or_copy(src: Path, dst: Path) -> None:
 
 
 def repin(flavor: str, log: Log) -> Path:
-    """Rewrite base/packages.lock from what the mirror resolves for the base's packages today
-    (`kvlab image build serve --repin`); the base is the same for every flavour."""
-    import tempfile
-
-    from kvlab.testbed import image as debian
-
-    defn = _definition()
-    work = Path(tempfile.mkdtemp(prefix=".repin-", dir=paths.cache_dir()))
-    try:
-        log(f"mmdebstrap {defn.release} resolving {len(defn.packages)} packages (log {work}/mmdebstrap.log)")
-        env = dict(os.environ, SOURCE_DATE_EPOCH=str(defn.source_date_epoch), LC_ALL="C.UTF-8", TZ="UTC")
-        debian._mmdebstrap(defn, work, work / "rootfs", list(defn.packages), env)
-        installed = debian.parse_lock((work / "installed.txt").read_text())
-        (defn.root / "packages.lock").write_text(debian.format_lock(installed))
-        log(f"wrote {defn.root}/packages.lock ({len(installed)} packages)")
-        return defn.root / "packages.lock"
-    finally:
-        debian.unmount_under(work)
-        shutil.rmtree(work, ignore_errors=True)
+    """Rewrite base/packages.lock (versions and .deb hashes) from what the mirror resolves for the
+    base's packages today (`kvlab image build serve --repin`); one base for every flavour."""
+    return debian.repin(debian.Definition.load(root() / "base", with_lock=False), log)
 
 
 def build(flavor: str, work: Path, log: Log) -> Built:
-    # interim: the testbed builder's mmdebstrap (kvlab.images.debian takes it over)
-    from kvlab.testbed import image as debian
-
     defn = _definition()
-    if not defn.lock:
-        raise ImageError(f"{defn.root}/packages.lock is empty; pin with: kvlab image build serve --repin")
     lock_file = root() / flavor / "requirements.lock"
     if not lock_file.exists():
         raise ImageError(f"{lock_file}: missing; resolve it with images/serve/lock {flavor}")
     epoch = defn.source_date_epoch
-    env = dict(os.environ, SOURCE_DATE_EPOCH=str(epoch), LC_ALL="C.UTF-8", TZ="UTC", PYTHONHASHSEED="0")
-    rootfs = work / "rootfs"
     out = work / "out"
     out.mkdir()
     log_file = work / "chroot.log"
     try:
         wheels = fetch_wheels(lock_file, work, log)
         pip = pip_wheel(work)
-        include = [f"{n}={v}" for n, v in sorted(defn.lock.items())]
-        log(f"base: mmdebstrap {defn.release} with {len(include)} packages (log {work}/mmdebstrap.log)")
-        debian._mmdebstrap(defn, work, rootfs, include, env)
-        installed = debian.parse_lock((work / "installed.txt").read_text())
-        if installed != defn.lock:
-            extra = sorted(set(installed.items()) ^ set(defn.lock.items()))
-            raise ImageError(f"the mirror resolved another package set than base/packages.lock ({extra[:5]})")
-        debian._normalize(rootfs, epoch)
+        # the Debian tree from the hash-checked .deb cache, normalised (kvlab.images.debian)
+        tree = debian.rootfs(defn, work, log)
+        rootfs = tree.path
         for d in ("dev", "proc", "sys", "run"):  # the runtime mounts these
             for p in sorted((rootfs / d).iterdir(), reverse=True) if (rootfs / d).is_dir() else ():
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
@@ -328,10 +289,7 @@ def build(flavor: str, work: Path, log: Log) -> Built:
         )  # fmt: skip
         for layer in layers:
             layer.path.unlink()
-        components = [
-            Component(kind="deb", name=n, version=v, sha256="", arch=defn.arch)
-            for n, v in sorted(installed.items())
-        ]
+        components = list(tree.components)
         lock = parse_wheel_lock(lock_file.read_text())
         components += [
             Component(kind="wheel", name=n, version=lock[n][0], sha256=sha256_file(w))
@@ -343,10 +301,10 @@ def build(flavor: str, work: Path, log: Log) -> Built:
             components=components,
             meta={"flavor": flavor, "ref": ref, "manifest_digest": digests["manifest"],
                   "config_digest": digests["config"], "layers": digests["layers"],
-                  "release": defn.release},
+                  "release": defn.release, "sbom_type": "container"},
         )  # fmt: skip
     finally:
         debian.unmount_under(work)
-        shutil.rmtree(rootfs, ignore_errors=True)
+        shutil.rmtree(work / "rootfs", ignore_errors=True)
         shutil.rmtree(work / "download", ignore_errors=True)
         shutil.rmtree(work / "oci-layout", ignore_errors=True)
