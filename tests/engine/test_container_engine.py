@@ -136,3 +136,11 @@ def test_memory_samples_the_containers_processes(runs) -> None:
             if r.get("kind") == "memory" and r["setup"] == "kvlab"
         )
         assert peak > 300 << 20, (kind, peak)
+
+
+def test_the_sbom_lists_every_locked_deb_with_its_hash(container_engines) -> None:
+    from kvlab.images import debian, sbom
+
+    defn = debian.Definition.load(HERE.parents[1] / "images/serve/base")
+    lock = {n: (p.version, p.sha256) for n, p in defn.lock.items()}
+    assert sbom.against_lock(container_engines.store / "sbom.cdx.json", "deb", lock) == []
