@@ -8,7 +8,9 @@ Three layers, by how often they change:
    `pip install --no-index --require-hashes --no-compile --no-deps`, then byte-compiled with
    `compileall --invalidation-mode unchecked-hash` (no file times in a .pyc), one process, sorted
    (marshal's output depends on what the process compiled before: parallel workers would not
-   give the same bytes);
+   give the same bytes), without site (-S): setuptools' distutils-precedence.pth would import
+   _distutils_hack first, and its .pyc then differed between two builds (marshal's references
+   depend on what the process already holds);
 3. kvlab-connector, in /opt/kvlab/site (on PYTHONPATH), so that a connector change changes only
    this layer's bytes.
 
@@ -190,6 +192,9 @@ def _chroot(rootfs: Path, script: str, log_file: Path) -> None:
         "HOME": "/root",
         "PIP_NO_CACHE_DIR": "1",
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        # no byte-code as a side effect (a .pth's import writes a timestamped .pyc): compileall
+        # below writes every .pyc, and only it
+        "PYTHONDONTWRITEBYTECODE": "1",
     }
     with log_file.open("ab") as log:
         res = subprocess.run(["chroot", str(rootfs), "/bin/sh", "-euc", script], env=env, stdout=log,
@@ -258,7 +263,7 @@ def build(flavor: str, work: Path, log: Log) -> Built:
             log_file,
         )
         log("environment: compileall --invalidation-mode unchecked-hash (one process, sorted)")
-        _chroot(rootfs, f"python3 -m compileall -q -j 1 --invalidation-mode unchecked-hash /{SITE} >/dev/null || true\n",
+        _chroot(rootfs, f"python3 -S -m compileall -q -f -j 1 --invalidation-mode unchecked-hash /{SITE} >/dev/null || true\n",
                 log_file)  # fmt: skip
         t = out / "layer-python.tar"
         digest, size = oci.write_layer(rootfs, t, epoch, subtrees=(SITE,))
@@ -273,7 +278,7 @@ def build(flavor: str, work: Path, log: Log) -> Built:
             rootfs,
             f"python3 /tmp/kvlab-build/{pip.name}/pip install --no-index --no-deps --no-build-isolation "
             f"--no-compile --target /{CONNECTOR_SITE} /tmp/kvlab-build/connector\n"
-            f"python3 -m compileall -q -j 1 --invalidation-mode unchecked-hash /{CONNECTOR_SITE} >/dev/null\n",
+            f"python3 -S -m compileall -q -f -j 1 --invalidation-mode unchecked-hash /{CONNECTOR_SITE} >/dev/null\n",
             log_file,
         )
         t = out / "layer-connector.tar"
