@@ -144,3 +144,32 @@ def test_the_sbom_lists_every_locked_deb_with_its_hash(container_engines) -> Non
     defn = debian.Definition.load(HERE.parents[1] / "images/serve/base")
     lock = {n: (p.version, p.sha256) for n, p in defn.lock.items()}
     assert sbom.against_lock(container_engines.store / "sbom.cdx.json", "deb", lock) == []
+
+
+CHECK_PYC = """
+import os, struct, sys
+bad = []
+for top in sys.argv[1:]:
+    for d, _, names in os.walk(top):
+        for n in names:
+            if n.endswith(".pyc"):
+                with open(os.path.join(d, n), "rb") as f:
+                    if struct.unpack("<I", f.read(8)[4:])[0] != 1:
+                        bad.append(os.path.join(d, n))
+print(len(bad), *bad[:5])
+"""
+
+
+def test_every_pyc_in_the_image_is_unchecked_hash(container_engines) -> None:
+    # a timestamped .pyc carries the time pip unpacked its source: two builds would differ
+    import subprocess
+
+    from kvlab import container
+    from kvlab.images import serve
+
+    argv = ["podman", "run", "--rm", "--pull=never", container_engines.image_id, "python3", "-S", "-c", CHECK_PYC,
+            f"/{serve.SITE}", f"/{serve.CONNECTOR_SITE}"]  # fmt: skip
+    res = subprocess.run(
+        argv, env=container.podman_env(), capture_output=True, text=True, timeout=300, check=True
+    )
+    assert res.stdout.split()[:1] == ["0"], res.stdout
