@@ -124,6 +124,11 @@ def rm_argv(name: str, podman: str = "podman") -> list[str]:
     return [podman, "rm", "--force", "--ignore", "--time=10", name]
 
 
+def inspect_pid_argv(name: str, podman: str = "podman") -> list[str]:
+    """Prints the host PID of the container's first process (0 while it is not running)."""
+    return [podman, "inspect", "--type=container", "--format={{.State.Pid}}", name]
+
+
 def podman_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment every podman call of kvlab runs in: the project's containers.conf."""
     return dict(os.environ if base is None else base, CONTAINERS_CONF=str(CONTAINERS_CONF))

@@ -1,7 +1,8 @@
 """`kvlab campaign run|validate|plan|files` and `kvlab report RUN... [--summary-json]`.
 
-`campaign run FILE [--engine local|systemd --endpoint URL] [--runs-dir DIR]`: local engines
-(the default) or, on a lab node, the vllm_server role's systemd units (roles/bench_runner).
+`campaign run FILE [--engine local|container|systemd --endpoint URL] [--runs-dir DIR]`: local engines
+(the default), the same engines from the CPU serving image (container), or, on a lab node, the
+vllm_server role's systemd units (roles/bench_runner).
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--dry-run", action="store_true", help="print the plan and an estimate; start nothing")
     r.add_argument("--runs-dir", "--results", dest="runs_dir", type=Path, default=Path("results/runs"),
                    help="runs folder (default results/runs)")
-    r.add_argument("--engine", choices=("local", "systemd"), default="local",
-                   help="local: start the engines here (default); systemd: drive the units the vllm_server "
-                        "role installed on this node (needs --endpoint)")
+    r.add_argument("--engine", choices=("local", "container", "systemd"), default="local",
+                   help="local: start the engines here (default); container: start them here from the CPU "
+                        "serving image (images/serve, built once per set of inputs, podman); systemd: drive "
+                        "the units the vllm_server role installed on this node (needs --endpoint)")
     r.add_argument("--endpoint", help="with --engine systemd: the engine's base URL as this node reaches it")
     r.add_argument("--keep-stores", action="store_true", help="keep the setups' KV stores after the run")
     r.add_argument("--no-report", action="store_true", help="write the raw results only")
@@ -128,11 +130,17 @@ def _engines(args: argparse.Namespace) -> Engines | None:
 
     from kvlab.cli import UserError
 
-    if args.engine == "local":
+    if args.engine in ("local", "container"):
         if args.endpoint:
-            raise UserError("--endpoint is for --engine systemd (local engines listen on ports the harness "
-                            "chooses): drop --endpoint, or add --engine systemd")
-        return None
+            raise UserError(f"--endpoint is for --engine systemd ({args.engine} engines listen on ports the "
+                            "harness chooses): drop --endpoint, or add --engine systemd")
+        if args.engine == "local":
+            return None
+        if args.dry_run:
+            return None  # a plan starts nothing: no image to build or load
+        from kvlab.engine_container import ContainerEngines
+
+        return ContainerEngines("cpu")
     if not args.endpoint:
         raise UserError("--engine systemd needs --endpoint URL, the engine's base URL as this node "
                         "reaches it (e.g. --endpoint http://127.0.0.1:8000)")

@@ -148,6 +148,8 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
             engine_flags[p.setup] = {"argv": list(d.engine.argv), "env": d.engine.env,
                                      "kv_transfer_config": d.kv_transfer_config,
                                      "companion": list(d.companion.argv) if d.companion else None}
+            if hasattr(engines, "image"):  # engines run from an image: the digest each ran from
+                engine_flags[p.setup]["image"] = engines.image()
     prov = {
         "schema": "kvlab.provenance/1", "run_id": run_id, "campaign": c.name,
         "campaign_sha256": campaign_sha, "campaign_path": str(campaign_path),

@@ -1,0 +1,138 @@
+"""`--engine container`: the setups run from the CPU serving image (images/serve) and behave as
+the venv's engines: the same restored tokens and the same greedy outputs. The restore TTFT ratio
+(container over venv) is printed, never asserted (two cores shared with everything else)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+
+from kvlab.client import complete
+from kvlab.harness import campaign
+from kvlab.harness.runner import LocalEngines, engine_params, run_campaign
+from kvlab.harness.sessions import token_ids
+
+HERE = Path(__file__).resolve().parent
+CAMPAIGN = HERE / "container-small.yml"
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def container_engines():
+    if shutil.which("podman") is None:
+        pytest.fail("podman is not installed: run scripts/system-deps (installs podman and runc)")
+    from kvlab.engine_container import ContainerEngines
+
+    return ContainerEngines("cpu")  # builds the image once per set of inputs, loads it, checks its digest
+
+
+def requests(run_dir: Path) -> list[dict]:
+    out = []
+    for f in sorted(run_dir.rglob("*.jsonl")):
+        out += [r for r in map(json.loads, f.read_text().splitlines()) if r.get("kind") == "request"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: Path, container_engines, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    c, sha = campaign.load(CAMPAIGN)
+    out = {}
+    for kind, engines in (("local", LocalEngines()), ("container", container_engines)):
+        out[kind] = run_campaign(c, CAMPAIGN, sha, tmp_path_factory.mktemp(f"runs-{kind}"), engines=engines)
+    return out
+
+
+def test_provenance_carries_the_image_digest_of_each_engine(runs, container_engines) -> None:
+    prov = json.loads((runs["container"] / "provenance.json").read_text())
+    image = prov["engine_control"]["image"]
+    assert image["digest"] == container_engines.digest and image["digest"].startswith("sha256:")
+    for setup in ("baseline", "kvlab"):
+        assert prov["engine"][setup]["image"]["manifest_digest"] == container_engines.manifest_digest
+        assert container_engines.image_id in prov["engine"][setup]["argv"]
+    assert "image" not in json.loads((runs["local"] / "provenance.json").read_text())["engine"]["kvlab"]
+
+
+def test_the_same_tokens_are_restored_and_the_ttft_ratio_is_reported(runs) -> None:
+    by = {k: requests(v) for k, v in runs.items()}
+
+    def cached(kind: str) -> list[tuple]:
+        return sorted(
+            (r["setup"], r["phase"], r.get("repeat"), r["cached_tokens"], r["output_tokens"])
+            for r in by[kind]
+            if r["scenario"] == "restore" and "error" not in r
+        )
+
+    assert cached("container") == cached("local")
+    assert [
+        r for r in cached("container") if r[0] == "kvlab" and r[1] in ("warm", "restart") and r[3] >= 2048
+    ]
+    for phase in ("warm", "restart"):
+        med = {
+            k: statistics.median(
+                r["ttft_s"] for r in by[k] if r["setup"] == "kvlab" and r.get("phase") == phase
+            )
+            for k in by
+        }
+        print(
+            f"kvlab {phase} restore TTFT median: container {med['container']:.3f} s, venv {med['local']:.3f} s, "
+            f"ratio {med['container'] / med['local']:.2f}"
+        )
+
+
+def greedy(engines, tiny_model: Path, work: Path) -> list[tuple[int | None, list[int] | None]]:
+    c, _ = campaign.load(CAMPAIGN)
+    params = engine_params(c, tiny_model, "tiny", work, False, 2050)
+    d = engines.deployment("kvlab", params)
+    prompt = token_ids("container-greedy", 1100)
+    with engines.server(d, work / "logs") as server:
+        server.start()
+        # computed, then (prefix caching off) restored from kvlab's store
+        return [
+            (r.cached_tokens, r.token_ids)
+            for r in (complete(server.base_url, "tiny", prompt, 12, return_token_ids=True) for _ in range(2))
+        ]
+
+
+def test_the_same_greedy_outputs_from_the_image_and_the_venv(
+    tiny_model: Path, container_engines, tmp_path: Path
+) -> None:
+    local = greedy(LocalEngines(), tiny_model, tmp_path / "local")
+    image = greedy(container_engines, tiny_model, tmp_path / "container")
+    assert image == local
+    assert (
+        local[1][0] and local[1][0] >= 1024 and local[0][1]
+    )  # the second one restored, and tokens came back
+
+
+def test_the_sbom_lists_every_locked_wheel_with_its_hash(container_engines) -> None:
+    from kvlab.images import serve
+
+    lock = serve.parse_wheel_lock((HERE.parents[1] / "images/serve/cpu/requirements.lock").read_text())
+    bom = json.loads((container_engines.store / "sbom.cdx.json").read_text())
+    wheels = {}
+    for comp in bom["components"]:
+        if comp.get("purl", "").startswith("pkg:pypi/"):
+            wheels[comp["name"].lower().replace("_", "-")] = (
+                comp["version"],
+                {h["content"] for h in comp["hashes"]},
+            )
+    assert set(wheels) == set(lock)
+    for name, (version, hashes) in wheels.items():
+        assert version == lock[name][0] and hashes and hashes <= set(lock[name][1]), name
+
+
+def test_memory_samples_the_containers_processes(runs) -> None:
+    # the `podman run` process itself holds ~50 MiB; the engine's processes are conmon's children
+    for kind, run_dir in runs.items():
+        recs = [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
+        peak = max(
+            (r.get("engine_rss_bytes") or 0)
+            for r in recs
+            if r.get("kind") == "memory" and r["setup"] == "kvlab"
+        )
+        assert peak > 300 << 20, (kind, peak)
