@@ -33,12 +33,25 @@ def plan_h200(out: Path, *extra: str) -> Path:
     return run_plan("lab", out, "--limit", HOST, *extra) / HOST
 
 
+def build_store(folder: Path, manifest_digest: str) -> Path:
+    """What `make image name=serve` leaves for a plan: the archive (a plan copies nothing) and
+    the provenance.json beside it that records the manifest's digest."""
+    folder.mkdir(parents=True)
+    (folder / "provenance.json").write_text(
+        json.dumps({"builder": {"meta": {"manifest_digest": manifest_digest}}})
+    )
+    (folder / "serve.oci.tar").write_bytes(b"")
+    return folder / "serve.oci.tar"
+
+
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("serve-runtime")
+    archive = build_store(tmp / "store", DIGEST)
+    image = ("-e", "vllm_server_runtime=image", "-e", f"vllm_server_image_archive={archive}")
     return {
         "venv": plan_h200(tmp / "venv"),
-        "image": plan_h200(tmp / "image", *IMAGE_ARGS, "-e", f"vllm_server_image_digest={DIGEST}"),
+        "image": plan_h200(tmp / "image", *image, "-e", f"vllm_server_image_digest={DIGEST}"),
     }
 
 
@@ -170,6 +183,24 @@ def test_image_runtime_without_its_image_fails_naming_the_variable(tmp_path: Pat
     said = " ".join(proc.stdout.split())
     assert f"vllm_server_runtime is image and {variable} is" in said, said[-2000:]
     assert not list((tmp_path / "plan").rglob("kvlab-vllm-*.service"))
+
+
+def test_a_digest_that_is_not_the_builds_manifest_fails_naming_both(tmp_path: Path):
+    """make image's last line prints the archive's sha256: pasted as the image digest, it stops."""
+    archive_sha = "sha256:" + "cd" * 32
+    archive = build_store(tmp_path / "store", DIGEST)
+    extra = ("-e", "vllm_server_runtime=image", "-e", f"vllm_server_image_archive={archive}")
+    proc = subprocess.run(
+        [str(ROOT / "scripts/plan"), "lab", str(tmp_path / "plan"), "--limit", HOST, *extra,
+         "-e", f"vllm_server_image_digest={archive_sha}"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    said = " ".join(proc.stdout.split())
+    assert proc.returncode != 0
+    assert (
+        f"vllm_server_image_digest is {archive_sha}, but the build of {archive} wrote manifest {DIGEST}"
+        in said
+    )
 
 
 # ---- delivery: podman load of the archive, its digest checked before the image is named -----
