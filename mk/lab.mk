@@ -1,8 +1,8 @@
 # The lab: render without hardware (plan), run campaigns on it (bench), check one GPU (gpu-check).
 .PHONY: plan bench gpu-check gpu-check-wheels
 
-plan: ## render every GPU/serving template for inventory=NAME's GPU nodes into build/plan/NAME (no host contacted)
-	scripts/plan $(inventory) build/plan/$(inventory)
+plan: ## render every GPU/serving template for inventory=NAME's GPU nodes into build/plan/NAME (no host contacted; ARGS: ansible-playbook arguments, e.g. -e vllm_server_runtime=image ...)
+	scripts/plan $(inventory) build/plan/$(inventory) $(ARGS)
 
 # inventory=local runs it on this machine with the embedded default (engines started by the
 # harness, this checkout's .venv; inventories/local/group_vars/bench.yml).

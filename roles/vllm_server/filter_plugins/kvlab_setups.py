@@ -1,4 +1,5 @@
-"""Filters that render vLLM's systemd units from kvlab's setup registry.
+"""Filters that render vLLM's systemd units from kvlab's setup registry (and, for the image
+runtime, kvlab.container's podman command that runs the same process from the serving image).
 
 The registry (src/kvlab/setups.py) is the one source of engine command lines: the role
 never restates a flag. These filters run on the controller, from the checkout the role
@@ -8,6 +9,7 @@ lives in, so a plan or a deploy renders exactly what `kvlab setup render` prints
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 from pathlib import Path
@@ -21,10 +23,14 @@ _SRC = Path(__file__).resolve().parents[3] / "src"
 _BARE = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
 
 
-def _registry():
+def _checkout_first() -> None:
     # The registry of this checkout, not whatever kvlab another environment installed.
     if _SRC.is_dir() and str(_SRC) not in sys.path:
         sys.path.insert(0, str(_SRC))
+
+
+def _registry():
+    _checkout_first()
     try:
         from kvlab import setup_cli, setups
     except ImportError as e:  # pragma: no cover - a broken checkout
@@ -78,11 +84,79 @@ def systemd_exec(argv: list[Any]) -> str:
     return " ".join(systemd_escape_arg(a) for a in argv)
 
 
+def _container():
+    _checkout_first()
+    from kvlab import container, setups
+
+    return container, setups
+
+
+def _mounts(spec: dict[str, Any], params: dict[str, Any], options: dict[str, Any]) -> list[Any]:
+    """What the process reads and writes on the node, bound at the same path: the model
+    read-only and the state folder (its working folder) read-write; each store, ExampleConnector
+    or LMCache folder read-write where its command line or environment names it (a bind's
+    source must exist: a setup that uses none needs none); then the site's own
+    (vllm_server_image_mounts)."""
+    container, _ = _container()
+    named = json.dumps(spec)
+    folders = [
+        *params.get("kv_store_paths", ()),
+        params.get("example_storage_path"),
+        params.get("cache_server_l2_path"),
+    ]
+    mounts = [
+        container.Mount(str(params["model"]), read_only=True),
+        container.Mount(str(options["state_dir"])),
+    ]
+    mounts += [container.Mount(str(p).rstrip("/")) for p in folders if p and str(p).rstrip("/") in named]
+    for i, m in enumerate(options.get("mounts", [])):
+        if not isinstance(m, dict) or not str(m.get("path", "")).startswith("/"):
+            raise AnsibleFilterError(
+                f"vllm_server_image_mounts[{i}] is {m!r}: give {{path: /absolute/folder, read_only: true|false}}"
+            )
+        mounts.append(container.Mount(str(m["path"]), read_only=bool(m.get("read_only", False))))
+    return mounts
+
+
+def kvlab_container_exec(
+    spec: dict[str, Any], env: dict[str, Any], name: str, params: dict[str, Any], options: dict[str, Any]
+) -> str:
+    """ExecStart= of a rendered process (a Deployment's engine or companion, as a dict) run from
+    the serving image: kvlab.container.podman_argv, the function `kvlab campaign run --engine
+    container` starts containers with. `env` is what the unit's Environment= lines set (the
+    site's and the setup's); podman hands each to the container, the API key through its file."""
+    container, setups = _container()
+    process = setups.ProcessSpec(argv=tuple(spec["argv"]), env={str(k): str(v) for k, v in env.items()})
+    handoff = None
+    if options["cdi_devices"] or options["devices"]:
+        handoff = container.GpuHandoff(
+            cdi_devices=tuple(options["cdi_devices"]),
+            devices=tuple(options["devices"]),
+            cufile_json=options["cufile_json"] or None,
+        )
+    try:
+        argv = container.podman_argv(
+            process,
+            image=str(options["image"]),
+            name=str(name),
+            mounts=_mounts(spec, params, options),
+            shm_size=str(options["shm_size"]),
+            gpus=handoff,
+            env_file=options["env_file"] or None,
+            podman=str(options["podman"]),
+            workdir=options["workdir"] or None,
+        )
+    except container.ContainerError as e:
+        raise AnsibleFilterError(f"vllm_server image runtime: {e}") from None
+    return systemd_exec(argv)
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "kvlab_setup_render": kvlab_setup_render,
             "kvlab_setup_names": kvlab_setup_names,
+            "kvlab_container_exec": kvlab_container_exec,
             "systemd_escape_arg": systemd_escape_arg,
             "systemd_exec": systemd_exec,
             "systemd_unit_safe": systemd_unit_safe,
