@@ -98,6 +98,27 @@ def _clamp_times(root: Path, epoch: int) -> None:
     os.utime(root, (epoch, epoch))
 
 
+def _git_mode(path: Path) -> int:
+    """The mode git records (0755 or 0644; folders 0755), whatever umask made the checkout."""
+    if path.is_dir():
+        return 0o755
+    return 0o755 if path.stat().st_mode & 0o100 else 0o644
+
+
+def _stage_overlay(overlay: Path, staged: Path) -> Path:
+    """The overlay and the shipped role scripts, with git's modes: a checkout made under umask 077
+    gives the same image."""
+    shutil.copytree(overlay, staged, symlinks=True)
+    for dest, src in _shipped_scripts().items():
+        (staged / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, staged / dest)
+        os.chmod(staged / dest, 0o755)
+    for p in [staged, *staged.rglob("*")]:
+        if not p.is_symlink():
+            os.chmod(p, _git_mode(p))
+    return staged
+
+
 def _rootfs(
     spec: target_tools.Spec, work: Path, log: Callable[[str], None]
 ) -> tuple[Path, str, dict[str, str]]:
@@ -117,23 +138,30 @@ def _rootfs(
         f"KVLAB_KVER={kver} KVLAB_INITRD_MODULES='{' '.join(raw['initrd_modules'])}' "
         f"KVLAB_INITRD_DRIVERS='{' '.join(raw['initrd_drivers'])}' SOURCE_DATE_EPOCH={spec.source_date_epoch}"
     )
-    hooks = [f"copy-in {spec.root / 'overlay'}/. /", 'mkdir -p "$1/usr/libexec/kvlab"']
-    for dest, src in _shipped_scripts().items():
-        hooks.append(f"copy-in {src} /{Path(dest).parent}")
+    staged = _stage_overlay(spec.root / "overlay", work / "overlay")
+    hooks = [f"copy-in {staged}/. /"]
     hooks.append(f'chroot "$1" env {env_line} /bin/sh -eu < {spec.root / "customize.sh"}')
     log(f"rootfs: mmdebstrap {spec.release}, {len(spec.lock)} packages (log {work}/mmdebstrap.log)")
     target_tools.mmdebstrap(
         spec, work, rootfs, [f"{n}={v}" for n, v in sorted(spec.lock.items())], hooks, "essential"
     )
     installed = target_tools.check_lock(spec, work / "installed.txt")
-    for dest in _shipped_scripts():
-        os.chmod(rootfs / dest, 0o755)
+    os.chmod(rootfs, 0o755)
     _normalize(rootfs, spec.source_date_epoch)
     _clamp_times(rootfs, spec.source_date_epoch)
     return rootfs, kver, installed
 
 
 def build(flavor: str, work: Path, log: Callable[[str], None]) -> Built:
+    # files the build makes (initrd, byte-code, the disk) must not take the caller's umask
+    old_umask = os.umask(0o022)
+    try:
+        return _build(work, log)
+    finally:
+        os.umask(old_umask)
+
+
+def _build(work: Path, log: Callable[[str], None]) -> Built:
     spec = target_tools.Spec.load(definition_root())
     raw = spec.raw
     signing = _signing()
