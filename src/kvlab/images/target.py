@@ -17,12 +17,13 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from kvlab import paths
 from kvlab.images import target_disk, target_tools
-from kvlab.testbed.image import ImageError, _normalize, sha256_file
+from kvlab.testbed.image import ImageError, _normalize, sha256_file, unmount_under
 
 FLAVORS = ("",)
 ARTIFACT = "disk.raw"
@@ -174,7 +175,14 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
     shutil.move(rootfs / "boot" / f"initrd.img-{kver}", boot / "initrd.img")
     out = work / "out"
     out.mkdir()
-    env = dict(os.environ, SOURCE_DATE_EPOCH=str(spec.source_date_epoch), LC_ALL="C.UTF-8", TZ="UTC")
+    env = dict(
+        os.environ,
+        SOURCE_DATE_EPOCH=str(spec.source_date_epoch),
+        # mke2fs (the seed partition) takes its superblock times from this, not from SOURCE_DATE_EPOCH
+        E2FSPROGS_FAKE_TIME=str(spec.source_date_epoch),
+        LC_ALL="C.UTF-8",
+        TZ="UTC",
+    )
     w = target_tools.WORK_IN_TREE
     repart_log = work / "repart.log"
     with target_tools.chroot(tree, work) as chroot:
@@ -257,3 +265,22 @@ def _identity() -> str:
         h.update(p.read_bytes())
     h.update(tools().encode())
     return h.hexdigest()[:16]
+
+
+def ensure(log: Callable[[str], None] = print) -> Path:
+    """The cached build's folder (built if missing); stand-in for kvlab.images.build.ensure."""
+    base = paths.cache_dir() / "images"
+    final = base / f"target-{_identity()}"
+    if (final / ARTIFACT).exists():
+        return final
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".build-target-", dir=base))
+    try:
+        built = build("", work, log)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(built.artifact.parent, final)
+        return final
+    finally:
+        unmount_under(work)
+        shutil.rmtree(work, ignore_errors=True)
