@@ -57,7 +57,10 @@ def write_definitions(folder: Path, defs: dict[str, str]) -> None:
 
 
 def repart(chroot: list[str], args: list[str], env: dict[str, str], log_file: Path) -> list[dict]:
-    cmd = [*chroot, "systemd-repart", "--offline=yes", "--dry-run=no", "--json=short", "--no-pager", *args]
+    # 512-byte sectors: for an image file repart's default gave the ESP's FAT 4096-byte sectors,
+    # which OVMF cannot read from a 512-byte disk ("failed to load Boot0001 ... Not Found")
+    cmd = [*chroot, "systemd-repart", "--offline=yes", "--dry-run=no", "--json=short", "--no-pager",
+           "--sector-size=512", *args]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     with log_file.open("a") as f:
         f.write(f"$ {shlex.join(cmd)}\n{res.stderr}\n{res.stdout}\n")
