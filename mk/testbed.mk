@@ -1,5 +1,5 @@
 # The VM testbed: two qemu VMs (storage target + node) provisioned by the same roles as the lab.
-.PHONY: testbed testbed-down testbed-status image test-testbed
+.PHONY: testbed testbed-down testbed-status test-testbed
 
 transport ?= rdma
 
@@ -11,9 +11,6 @@ testbed-down: setup ## stop the testbed VMs by PID (console logs are kept)
 
 testbed-status: setup ## the testbed VMs and the node's NVMe-oF controllers (JSON)
 	$(KVLAB) testbed status --json
-
-image: setup ## build the testbed VM image from scratch, print its sha256s; fails if it differs from the cached build
-	$(KVLAB) testbed image --rebuild
 
 test-testbed: setup ## testbed tier alone: VMs + site.yml x3 (apply, again, --check) + verify + faults (~20 min; image cached by inputs)
 	$(PYTEST) tests/testbed -m testbed

@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "kvlab.demo",
     "kvlab.bench",
     "kvlab.testbed.cli",
+    "kvlab.images.cli",
     "kvlab.harness.cli",
 ]
 

@@ -75,27 +75,6 @@ def test_unknown_transport_is_refused():
         testbed.up("x", transport="roce-please")
 
 
-def _definition(root: Path) -> Path:
-    (root / "testbed").mkdir(parents=True)
-    (root / "tools").mkdir()
-    (root / "testbed" / "image.yml").write_text("name: x\n")
-    (root / "testbed" / "packages.lock").write_text("bash=5.2\n")
-    (root / "tools" / "mke2fs.conf").write_text("[defaults]\n")
-    return root / "testbed"
-
-
-def test_input_hash_is_stable_and_follows_every_input(tmp_path):
-    d = _definition(tmp_path)
-    h1 = image.input_hash(d, tools="t1")
-    assert image.input_hash(d, tools="t1") == h1
-    (d / "packages.lock").write_text("bash=5.3\n")
-    h2 = image.input_hash(d, tools="t1")
-    assert h2 != h1
-    assert image.input_hash(d, tools="t2") != h2  # a different mmdebstrap or mke2fs
-    (tmp_path / "tools" / "mke2fs.conf").write_text("[defaults]\nx\n")
-    assert image.input_hash(d, tools="t2") != h2
-
-
 def test_lock_round_trip_and_errors():
     lock = {"bash": "5.2.37-2+b10", "linux-image-amd64": "6.12.118-1"}
     assert image.parse_lock(image.format_lock(lock)) == lock

@@ -1,4 +1,4 @@
-"""`kvlab testbed up|down|status|image`: the VM testbed from the command line."""
+"""`kvlab testbed up|down|status`: the VM testbed from the command line (its image: `kvlab image build testbed`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvlab.testbed import image, testbed, vm
+from kvlab.images import ImageError
+from kvlab.testbed import testbed, vm
 
 
 class _Fail(Exception):
@@ -43,19 +44,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true", help="one JSON object on stdout")
     st.set_defaults(func=_status)
 
-    i = s.add_parser("image", help="build the testbed image (cached by input hash) and print its sha256")
-    i.add_argument(
-        "--definition", type=Path, default=None, help="image definition folder (default images/testbed)"
-    )
-    i.add_argument(
-        "--rebuild",
-        action="store_true",
-        help="build from scratch even if cached, and fail if the result differs from the cached one",
-    )
-    i.add_argument("--repin", action="store_true", help="re-resolve packages.lock from the mirror")
-    i.add_argument("--print-hash", action="store_true", help="print the input hash only")
-    i.set_defaults(func=_image)
-
 
 def _errors(fn):
     def wrapped(args):
@@ -63,7 +51,7 @@ def _errors(fn):
 
         try:
             return fn(args)
-        except (testbed.TestbedError, image.ImageError, vm.VMError) as e:
+        except (testbed.TestbedError, ImageError, vm.VMError) as e:
             raise UserError(str(e)) from e
 
     return wrapped
@@ -104,27 +92,4 @@ def _status(args) -> int:
             print(
                 f"    {c['name']} {c['transport']} {c['state']} {c['address'].get('traddr', '')} {c['subsysnqn']}"
             )
-    return 0
-
-
-@_errors
-def _image(args) -> int:
-    root = (args.definition or image.definition_root()).resolve()
-    defn = image.Definition.load(root)
-    if args.print_hash:
-        print(image.input_hash(root))
-        return 0
-    if args.repin:
-        image.build(defn, repin=True)
-        return 0
-    before = image.cached(root)
-    old = image.manifest(before)["sha256"] if before else None
-    out = before if before and not args.rebuild else image.build(defn)
-    new = image.manifest(out)
-    for f, digest in sorted(new["sha256"].items()):
-        print(f"{digest}  {out / f}")
-    if old and old != new["sha256"]:
-        raise image.ImageError(
-            f"not reproducible: the rebuild of inputs {new['input_hash']} differs from the cached one"
-        )
     return 0

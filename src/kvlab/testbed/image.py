@@ -7,35 +7,31 @@ root filesystem with a fixed UUID, hash seed and clock (SOURCE_DATE_EPOCH; a sma
 clamps the atime/ctime that mke2fs copies from the unpacked tree). The kernel and initrd are taken
 out of the tree so that qemu boots them directly: no bootloader, no partition table.
 
-The image lives outside the checkout in `cache_dir()/images/<input-hash>/`; the input hash covers
-every file of the definition, this builder and the versions of the host tools it runs.
+This module is the "testbed" builder of kvlab.images.build, which stores the image outside the
+checkout at `cache_dir()/images/testbed-<identity>/`; the identity covers every file of the
+definition, this builder and the versions of the host tools it runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import yaml
 
 from kvlab import paths
+from kvlab.images import ImageError
+from kvlab.images.identity import Built, Component, files_under
 
 # Bumped when the build procedure changes in a way the hashed files do not show.
 BUILDER_VERSION = "1"
 IMAGE_FILES = ("disk.raw", "vmlinuz", "initrd.img")
 HOST_TOOLS = (["mmdebstrap", "--version"], ["mke2fs", "-V"], ["cc", "--version"])
-
-
-class ImageError(Exception):
-    """A build that cannot go on; the message names the input and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,44 +111,23 @@ def tools_fingerprint() -> str:
     return "\n".join(out)
 
 
-def input_hash(root: Path, tools: str | None = None) -> str:
-    """sha256 over the definition's files (path and content), this builder and the host tools."""
-    h = hashlib.sha256()
-    h.update(f"builder {BUILDER_VERSION}\n".encode())
-    files = sorted(p for p in [*root.rglob("*"), *(root.parent / "tools").rglob("*")] if p.is_file())
-    for p in files:
-        rel = p.relative_to(root.parent).as_posix()
-        h.update(f"{rel}\0{len(p.read_bytes())}\0".encode())
-        h.update(p.read_bytes())
-    h.update(Path(__file__).read_bytes())
-    h.update((tools if tools is not None else tools_fingerprint()).encode())
-    return h.hexdigest()[:16]
+# The builder interface of kvlab.images.build (registered there as "testbed").
+FLAVORS = ("",)
 
 
-def images_dir() -> Path:
-    return paths.cache_dir() / "images"
+def inputs(flavor: str) -> list[Path]:
+    """The definition folder, the shared image tools and this builder."""
+    root = definition_root()
+    return [*files_under(root, root.parent / "tools"), Path(__file__)]
 
 
-def cached(root: Path) -> Path | None:
-    d = images_dir() / input_hash(root)
-    return d if (d / "manifest.json").exists() else None
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def tools(flavor: str) -> str:
+    return f"builder {BUILDER_VERSION}\n{tools_fingerprint()}"
 
 
 def repin_command(root: Path) -> str:
     rel = root.relative_to(paths.repo_root()) if root.is_relative_to(paths.repo_root()) else root
-    return f"kvlab testbed image --repin --definition {rel}   (then commit {rel}/packages.lock)"
-
-
-def _log(msg: str) -> None:
-    print(f"image: {msg}", file=sys.stderr, flush=True)
+    return f"kvlab image build {root.name} --repin   (then commit {rel}/packages.lock)"
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -214,7 +189,7 @@ def _mmdebstrap(defn: Definition, work: Path, rootfs: Path, include: list[str], 
         "--dpkgopt=path-exclude=/usr/share/man/*",
         "--dpkgopt=path-exclude=/usr/share/locale/*",
         f"--include={','.join(include)}",
-        f"--customize-hook=copy-in {defn.root / 'overlay'}/. /",
+        f"--customize-hook=copy-in {_overlay(defn, work)}/. /",
         f'--customize-hook=chroot "$1" /bin/sh -eu < {defn.root / "customize.sh"}',
         '--customize-hook=chroot "$1" dpkg-query -W -f \'${Package}=${Version}\\n\' > "$1/../installed.txt"',
         defn.release,
@@ -319,30 +294,61 @@ def _mkfs(defn: Definition, work: Path, rootfs: Path, disk: Path, env: dict[str,
     )
 
 
-def build(defn: Definition, *, repin: bool = False) -> Path:
-    """Build the image into the cache (or, with repin, rewrite packages.lock from the mirror)."""
-    if not defn.lock and not repin:
-        raise ImageError(f"{defn.root}/packages.lock is empty; pin with:\n  {repin_command(defn.root)}")
-    digest = input_hash(defn.root)
-    images_dir().mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".build-{digest}-", dir=images_dir()))
-    env = dict(
+def _env(defn: Definition) -> dict[str, str]:
+    return dict(
         os.environ,
         SOURCE_DATE_EPOCH=str(defn.source_date_epoch),
         LC_ALL="C.UTF-8",
         TZ="UTC",
         PYTHONHASHSEED="0",
     )
+
+
+def _overlay(defn: Definition, work: Path) -> Path:
+    """The overlay with the modes git means (0755 if executable, else 0644), whatever the umask
+    of the checkout: copy-in keeps modes, and they are bytes of the image."""
+    out = work / "overlay"
+    src = defn.root / "overlay"
+    shutil.copytree(src, out, symlinks=True, copy_function=shutil.copyfile)
+    for dirpath, _dirs, names in os.walk(out):
+        os.chmod(dirpath, 0o755)
+        for n in names:
+            p = Path(dirpath) / n
+            if not p.is_symlink():
+                orig = src / p.relative_to(out)
+                os.chmod(p, 0o755 if orig.stat().st_mode & 0o100 else 0o644)
+    return out
+
+
+def repin(flavor: str, log) -> Path:
+    """Rewrite packages.lock from what the mirror resolves for the top-level packages today."""
+    defn = Definition.load(definition_root())
+    work = Path(tempfile.mkdtemp(prefix=".repin-", dir=defn.root.parent))
     try:
         rootfs = work / "rootfs"
-        include = list(defn.packages) if repin else [f"{n}={v}" for n, v in sorted(defn.lock.items())]
-        _log(f"mmdebstrap {defn.release} with {len(include)} packages (log {work}/mmdebstrap.log)")
+        log(f"mmdebstrap {defn.release} resolving {len(defn.packages)} packages (log {work}/mmdebstrap.log)")
+        _mmdebstrap(defn, work, rootfs, list(defn.packages), _env(defn))
+        installed = parse_lock((work / "installed.txt").read_text())
+        (defn.root / "packages.lock").write_text(format_lock(installed))
+        log(f"wrote {defn.root}/packages.lock ({len(installed)} packages); build again to use it")
+        return defn.root / "packages.lock"
+    finally:
+        unmount_under(work)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def build(flavor: str, work: Path, log) -> Built:
+    """Build the image into `work` (the orchestrator stores it under its identity)."""
+    defn = Definition.load(definition_root())
+    if not defn.lock:
+        raise ImageError(f"{defn.root}/packages.lock is empty; pin with:\n  {repin_command(defn.root)}")
+    env = _env(defn)
+    try:
+        rootfs = work / "rootfs"
+        include = [f"{n}={v}" for n, v in sorted(defn.lock.items())]
+        log(f"mmdebstrap {defn.release} with {len(include)} packages (log {work}/mmdebstrap.log)")
         _mmdebstrap(defn, work, rootfs, include, env)
         installed = parse_lock((work / "installed.txt").read_text())
-        if repin:
-            (defn.root / "packages.lock").write_text(format_lock(installed))
-            _log(f"wrote {defn.root}/packages.lock ({len(installed)} packages); build again to use it")
-            return defn.root / "packages.lock"
         if installed != defn.lock:
             extra = sorted(set(installed.items()) ^ set(defn.lock.items()))
             raise ImageError(
@@ -358,24 +364,21 @@ def build(defn: Definition, *, repin: bool = False) -> Path:
         out.mkdir()
         shutil.copyfile(kernels[0], out / "vmlinuz")
         shutil.copyfile(initrds[0], out / "initrd.img")
+        components = [
+            Component(kind="deb", name=n, version=v, sha256="", arch=defn.arch) for n, v in sorted(installed.items())
+        ]
         _normalize(rootfs, defn.source_date_epoch)
-        _log("writing the ext4 root filesystem")
+        log("writing the ext4 root filesystem")
         _mkfs(defn, work, rootfs, out / "disk.raw", env)
-        manifest = {
-            "name": defn.name,
-            "input_hash": digest,
-            "kernel": kernels[0].name.removeprefix("vmlinuz-"),
-            "sha256": {f: sha256_file(out / f) for f in IMAGE_FILES},
-        }
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        final = images_dir() / digest
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(out, final)
-        return final
+        return Built(
+            artifact=out / "disk.raw",
+            files={f: out / f for f in IMAGE_FILES},
+            components=components,
+            meta={"kernel": kernels[0].name.removeprefix("vmlinuz-"), "release": defn.release},
+        )
     finally:
         unmount_under(work)
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work / "rootfs", ignore_errors=True)
 
 
 def unmount_under(root: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> list[str]:
@@ -393,16 +396,3 @@ def unmount_under(root: Path, mountinfo: Path = Path("/proc/self/mountinfo")) ->
     for point in points:
         subprocess.run(["umount", "--lazy", point], check=False, capture_output=True)
     return points
-
-
-def manifest(image_dir: Path) -> dict:
-    return json.loads((image_dir / "manifest.json").read_text())
-
-
-def ensure(defn: Definition) -> Path:
-    """The cached image for this definition, built if missing."""
-    hit = cached(defn.root)
-    if hit:
-        return hit
-    _log(f"no cached image for inputs {input_hash(defn.root)}: building (a few minutes)")
-    return build(defn)

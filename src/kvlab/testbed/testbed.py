@@ -19,8 +19,9 @@ from pathlib import Path
 import yaml
 
 from kvlab import paths
+from kvlab.images import build as images
 from kvlab.net import free_port
-from kvlab.testbed import image, vm
+from kvlab.testbed import vm
 from kvlab.testbed.status import CONTROLLERS_SCRIPT, parse_controllers
 
 TRANSPORTS = ("rdma", "tcp")
@@ -168,8 +169,7 @@ def up(
     if old:
         down(name, log=lambda *_: None)
     t0 = time.monotonic()
-    defn = image.Definition.load(image.definition_root())
-    image_dir = image.ensure(defn)
+    image_dir = images.ensure("testbed")
     log(f"image {image_dir} ({time.monotonic() - t0:.0f} s)")
     root = state_root(name)
     key = ensure_key(root)
