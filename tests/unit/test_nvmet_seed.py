@@ -283,7 +283,7 @@ def failing_write(mod, monkeypatch, suffix: str):
     real, failed = mod.Applier.fs_write, []
 
     def write(path, value):
-        if path.endswith(suffix) and str(value) == "1" and not failed:
+        if path.endswith(suffix) and (str(value) == "1" or not suffix.endswith("enable")) and not failed:
             failed.append(path)  # once: writing the old value back is allowed
             raise OSError(errno.EBUSY, "Device or resource busy", path)
         real(path, value)
@@ -297,7 +297,18 @@ def kvlabs(root: Path) -> list[str]:
             if not p.startswith(("ports/7", f"subsystems/{THEIRS}", "hosts/nqn.2020-01"))]  # fmt: skip
 
 
-def test_a_failure_half_way_leaves_nothing_of_kvlabs(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("suffix", "field"),
+    [
+        (
+            f"{SECOND}/namespaces/1/enable",
+            "subsystems[1].namespaces[0]",
+        ),  # after the first subsystem is built
+        (f"{SECOND}/attr_serial", "subsystems[1]"),
+        ("ports/1/addr_trsvcid", "ports[0]"),  # both subsystems built, the port half-way
+    ],
+)
+def test_a_failure_half_way_leaves_nothing_of_kvlabs(tmp_path, monkeypatch, capsys, suffix, field):
     mod, root = load(tmp_path, monkeypatch)
     device = tmp_path / "disk0"
     device.write_bytes(b"")
@@ -306,10 +317,10 @@ def test_a_failure_half_way_leaves_nothing_of_kvlabs(tmp_path, monkeypatch, caps
     cfg = config(device)
     cfg["subsystems"].append(copy.deepcopy(cfg["subsystems"][0]) | {"nqn": SECOND})
     cfg["subsystems"][1]["namespaces"][0]["uuid"] = UUID2
-    failing_write(mod, monkeypatch, f"{SECOND}/namespaces/1/enable")  # after the first subsystem is built
+    failing_write(mod, monkeypatch, suffix)
     assert run(mod, tmp_path, cfg) == 1
     err = capsys.readouterr().err
-    assert "subsystems[1].namespaces[0]: [Errno 16] Device or resource busy" in err
+    assert f"{field}: [Errno 16] Device or resource busy" in err
     assert "what this run created is removed" in err and "could not take back" not in err
     assert kvlabs(root) == []
     assert {d: snapshot(root, d) for d in theirs} == theirs
@@ -334,7 +345,6 @@ def test_a_failed_change_keeps_what_was_exported(tmp_path, monkeypatch):
     cfg = config(other)  # the same subsystem, moved to another drive
     cfg["hosts"].append({"nqn": HOST2})
     cfg["subsystems"][0]["allowed_hosts"].append(HOST2)
-    failing_write(mod, monkeypatch, "ports/1/addr_traddr")  # never reached: ports already match
     failing_write(mod, monkeypatch, f"{OURS}/namespaces/1/enable")
     assert run(mod, tmp_path, cfg) == 1
     assert kvlabs(root) == before
