@@ -5,6 +5,7 @@ is what the role-managed target gets plus its fabric, and the role's validator i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -76,3 +77,24 @@ def test_the_role_refuses_what_the_validator_refuses_naming_the_field(tmp_path: 
         -4000:
     ]
     assert "nvmet.json" not in {p.name for p in (tmp_path / "plan").rglob("*")}
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_host_carrying_the_appliance_marker_is_one(tmp_path: Path, marked: bool) -> None:
+    """Undeclared in the inventory, a host whose image ships the marker is still an appliance."""
+    marker = tmp_path / "appliance"
+    if marked:
+        marker.write_text("")
+    (tmp_path / "p.yml").write_text(
+        "- name: Recognise\n  hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
+        "    - name: Recognise\n      ansible.builtin.include_role: {name: nvmeof_target, tasks_from: recognise}\n"
+        "    - name: Say\n      ansible.builtin.debug: {msg: 'appliance={{ __nvmeof_target_is_appliance }}'}\n"
+    )
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", "localhost,", str(tmp_path / "p.yml"),
+         "-e", f"__nvmeof_target_appliance_marker={marker}", "-e", f"ansible_python_interpreter={sys.executable}"],
+        env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_ROLES_PATH": str(ROOT / "roles")},
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"appliance={marked}" in proc.stdout
