@@ -94,6 +94,10 @@ BROKEN = {
         lambda c: c["subsystems"][0]["namespaces"][0].__setitem__("device", {"model": "X"}),
         "subsystems[0].namespaces[0].device: {\"model\": \"X\"} must be",
     ),
+    "a file's size on a drive": (
+        lambda c: c["subsystems"][0]["namespaces"][0].__setitem__("size_mib", 64),
+        "subsystems[0].namespaces[0].size_mib: creates a file, so device must be its path",
+    ),
     "duplicate nsid": (
         lambda c: c["subsystems"][0]["namespaces"].append({"nsid": 1, "device": "/dev/sdb"}),
         "subsystems[0].namespaces[1].nsid: 1 is also subsystems[0].namespaces[0].nsid",
