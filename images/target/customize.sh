@@ -2,7 +2,7 @@
 # KVLAB_KVER, KVLAB_INITRD_MODULES and KVLAB_INITRD_DRIVERS set by the builder.
 # Boot units: the seed's validator and export; SSH only when the seed asks for it.
 systemctl enable systemd-networkd.service kvlab-seed-validate.service kvlab-nvmet-export.service \
-    kvlab-seed-network.service kvlab-rxe.service kvlab-seed-ssh.service
+    kvlab-seed-ssh.service
 systemctl disable ssh.service
 systemctl mask e2scrub_reap.service e2scrub_all.timer fstrim.timer serial-getty@ttyS0.service \
     getty@tty1.service systemd-firstboot.service

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from kvlab.images import build as images
 from kvlab.images import target as target_image
 from kvlab.images import target_seed
 from kvlab.net import free_port
-from kvlab.testbed import image as testbed_image
 from kvlab.testbed import testbed as tb
 from kvlab.testbed import vm
 from kvlab.testbed.machine import Machine
@@ -34,17 +34,7 @@ pytestmark = [pytest.mark.testbed, pytest.mark.timeout(3600)]
 STORE_NQN = "nqn.2026-01.io.kvlab.testbed:store0"
 NODE_NQN = "nqn.2014-08.org.nvmexpress:uuid:4f1d8a52-0c7e-4b7a-9a33-6b2c1e0d9f02"
 STRANGER_NQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000dead"
-DATA_DEVICE = "/dev/disk/by-id/virtio-kvlab-target-data0"
-FABRIC_NETWORK = """[Match]
-Name=eth1
-
-[Link]
-MTUBytes=9000
-
-[Network]
-Address=10.77.0.1/24
-ConfigureWithoutCarrier=yes
-"""
+DATA_DEVICE = "/dev/disk/by-id/virtio-kvlab-target-data0"  # the seed names it by serial
 BOOT_TIMEOUT_S = 900  # OVMF + the UKI under TCG on two shared cores
 
 
@@ -60,6 +50,7 @@ def _missing() -> str | None:
 
 
 def good_seed(pubkey: bytes) -> dict[str, bytes]:
+    """The seed the role would write for the testbed's target: its fabric, one subsystem, one host."""
     nvmet = {
         "hosts": [{"nqn": NODE_NQN}],
         "subsystems": [
@@ -67,31 +58,30 @@ def good_seed(pubkey: bytes) -> dict[str, bytes]:
                 "nqn": STORE_NQN,
                 "serial": "kvlab-store0",
                 "allowed_hosts": [NODE_NQN],
-                "namespaces": [{"nsid": 1, "device": DATA_DEVICE, "uuid": "7b3b6f6e-2c1a-4d6a-9e51-0a1b2c3d4e01"}],
+                "namespaces": [
+                    {"nsid": 1, "device": {"serial": "kvlab-target-data0"}, "uuid": "7b3b6f6e-2c1a-4d6a-9e51-0a1b2c3d4e01"}
+                ],
             }
         ],
         "ports": [
             {"id": 1, "transport": "rdma", "address": "10.77.0.1", "service": 4420, "family": "ipv4",
              "subsystems": [STORE_NQN]},
         ],
+        "netdevs": [{"name": "eth1", "address": "10.77.0.1/24", "mtu": 9000}],
+        "rxe_links": [{"name": "rxe0", "netdev": "eth1"}],
     }  # fmt: skip
-    return {
-        "nvmet.json": json.dumps(nvmet, indent=2).encode(),
-        "network/20-fabric.network": FABRIC_NETWORK.encode(),
-        "rxe-links": b"rxe0 eth1\n",
-        "ssh/authorized_keys": pubkey,
-    }
+    return {"nvmet.json": json.dumps(nvmet, indent=2).encode(), "ssh/authorized_keys": pubkey}
 
 
-def broken_seed(pubkey: bytes) -> dict[str, bytes]:
-    """An unknown drive and a malformed host NQN: the validator must name both, nothing exported."""
-    seed = good_seed(pubkey)
-    nvmet = json.loads(seed["nvmet.json"])
-    nvmet["subsystems"][0]["namespaces"][0]["device"] = "/dev/disk/by-id/virtio-no-such-drive"
+def malformed_nqn(nvmet: dict) -> dict:
     nvmet["hosts"][0]["nqn"] = "not-an-nqn"
     nvmet["subsystems"][0]["allowed_hosts"] = ["not-an-nqn"]
-    seed["nvmet.json"] = json.dumps(nvmet, indent=2).encode()
-    return seed
+    return nvmet
+
+
+def unknown_drive(nvmet: dict) -> dict:
+    nvmet["subsystems"][0]["namespaces"][0]["device"] = {"serial": "no-such-drive"}
+    return nvmet
 
 
 class Fleet:
@@ -147,7 +137,7 @@ def fleet(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def appliance_image() -> Path:
-    return target_image.ensure(log=lambda m: print(m, file=sys.stderr))
+    return images.ensure("target", log=lambda m: print(m, file=sys.stderr))
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +153,7 @@ def target(fleet, appliance_image) -> Machine:
 
 @pytest.fixture(scope="module")
 def node(fleet, target) -> Machine:
-    image_dir = testbed_image.ensure(testbed_image.Definition.load(testbed_image.definition_root()))
+    image_dir = images.ensure("testbed", log=lambda m: print(m, file=sys.stderr))
     m = fleet.boot_node(image_dir, fleet.fabric_port)
     m.wait_for_ssh(BOOT_TIMEOUT_S)
     # no roles: the fabric address and soft-RoCE by hand, as the rdma role would make them
@@ -218,18 +208,33 @@ def test_a_host_not_in_the_seed_is_refused(target, node):
     node.fail(f"grep -ls {STORE_NQN} /sys/class/nvme/nvme*/subsysnqn")
 
 
+def _exports_nothing(m: Machine) -> None:
+    m.fail("systemctl is-active --quiet kvlab-nvmet-export.service")
+    for kind in ("subsystems", "ports", "hosts"):
+        assert m.succeed(f"ls /sys/kernel/config/nvmet/{kind} 2>/dev/null || true").split() == [], kind
+
+
+def _named(m: Machine, unit: str, field: str, console_from: int) -> None:
+    journal = m.succeed(f"journalctl -b -u {unit} --no-pager")
+    assert field in journal, journal[-3000:]
+    console = m.console_log.read_bytes()[console_from:].decode(errors="replace")
+    assert field in console, console[-3000:]
+
+
 def test_a_broken_seed_exports_nothing_and_names_the_field(fleet, appliance_image, target, node):
-    # after the good target's tests: the broken one takes its place on a fabric of its own
-    m = fleet.boot_appliance(
-        "target-broken", appliance_image, broken_seed(fleet.key.with_suffix(".pub").read_bytes()), free_port()
-    )
+    # a malformed host NQN, at boot: the validator names the field and the export never runs
+    seed = good_seed(fleet.key.with_suffix(".pub").read_bytes())
+    seed["nvmet.json"] = json.dumps(malformed_nqn(json.loads(seed["nvmet.json"]))).encode()
+    m = fleet.boot_appliance("target-broken", appliance_image, seed, free_port())
     m.wait_for_ssh(BOOT_TIMEOUT_S)
     m.wait_until_succeeds("systemctl is-failed --quiet kvlab-seed-validate.service", timeout=300)
-    m.fail("systemctl is-active --quiet kvlab-nvmet-export.service")
-    assert m.succeed("ls /sys/kernel/config/nvmet/subsystems 2>/dev/null || true").split() == []
-    assert m.succeed("ls /sys/kernel/config/nvmet/ports 2>/dev/null || true").split() == []
-    journal = m.succeed("journalctl -b -u kvlab-seed-validate.service --no-pager")
-    console = m.console_log.read_text(errors="replace")
-    for field in ("not-an-nqn", "virtio-no-such-drive"):
-        assert field in journal, journal[-3000:]
-        assert field in console, console[-3000:]
+    _exports_nothing(m)
+    _named(m, "kvlab-seed-validate.service", "hosts[0].nqn", 0)
+    # an unknown drive passes the schema but not the apply: nothing exported, the field named
+    nvmet = unknown_drive(json.loads(good_seed(b"")["nvmet.json"]))
+    mark = len(m.console_log.read_bytes())
+    m.succeed(f"cat > /var/lib/kvlab-seed/nvmet.json <<'EOF'\n{json.dumps(nvmet)}\nEOF")
+    m.succeed("systemctl restart kvlab-seed-validate.service")
+    m.fail("systemctl restart kvlab-nvmet-export.service", timeout=300)
+    _exports_nothing(m)
+    _named(m, "kvlab-nvmet-export.service", "namespaces[0].device.serial", mark)

@@ -12,37 +12,19 @@ enters tools(), so a signed build has its own identity.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from kvlab import paths
-from kvlab.images import target_disk, target_tools
-from kvlab.testbed.image import ImageError, _normalize, sha256_file, unmount_under
+from kvlab.images import ImageError, target_disk, target_tools
+from kvlab.images.identity import Built, Component, sha256_file
+from kvlab.testbed.image import _normalize, _overlay, unmount_under
 
 FLAVORS = ("",)
 ARTIFACT = "disk.raw"
-
-
-@dataclasses.dataclass(frozen=True)
-class Component:  # the contract's kvlab.images.identity.Component (until that module is merged)
-    kind: str
-    name: str
-    version: str
-    sha256: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Built:  # the contract's kvlab.images.identity.Built (until that module is merged)
-    artifact: Path
-    files: dict[str, Path]
-    components: list[Component]
-    meta: dict
 
 
 def definition_root() -> Path:
@@ -54,7 +36,6 @@ def _shipped_scripts() -> dict[str, Path]:
     repo = paths.repo_root()
     return {
         "usr/libexec/kvlab/kvlab-nvmet-apply": repo / "roles/nvmeof_target/files/kvlab-nvmet-apply",
-        "usr/libexec/kvlab/kvlab-rxe-links": repo / "roles/rdma/files/kvlab-rxe-links",
     }
 
 
@@ -99,24 +80,14 @@ def _clamp_times(root: Path, epoch: int) -> None:
     os.utime(root, (epoch, epoch))
 
 
-def _git_mode(path: Path) -> int:
-    """The mode git records (0755 or 0644; folders 0755), whatever umask made the checkout."""
-    if path.is_dir():
-        return 0o755
-    return 0o755 if path.stat().st_mode & 0o100 else 0o644
-
-
-def _stage_overlay(overlay: Path, staged: Path) -> Path:
-    """The overlay and the shipped role scripts, with git's modes: a checkout made under umask 077
-    gives the same image."""
-    shutil.copytree(overlay, staged, symlinks=True)
+def _stage_overlay(spec: target_tools.Spec, work: Path) -> Path:
+    """The overlay with git's modes (the testbed's way) and the shipped role scripts (0755)."""
+    staged = _overlay(spec, work)  # type: ignore[arg-type]  # reads .root only
     for dest, src in _shipped_scripts().items():
         (staged / dest).parent.mkdir(parents=True, exist_ok=True)
+        os.chmod((staged / dest).parent, 0o755)
         shutil.copyfile(src, staged / dest)
         os.chmod(staged / dest, 0o755)
-    for p in [staged, *staged.rglob("*")]:
-        if not p.is_symlink():
-            os.chmod(p, _git_mode(p))
     return staged
 
 
@@ -139,7 +110,7 @@ def _rootfs(
         f"KVLAB_KVER={kver} KVLAB_INITRD_MODULES='{' '.join(raw['initrd_modules'])}' "
         f"KVLAB_INITRD_DRIVERS='{' '.join(raw['initrd_drivers'])}' SOURCE_DATE_EPOCH={spec.source_date_epoch}"
     )
-    staged = _stage_overlay(spec.root / "overlay", work / "overlay")
+    staged = _stage_overlay(spec, work)
     hooks = [f"copy-in {staged}/. /"]
     hooks.append(f'chroot "$1" env {env_line} /bin/sh -eu < {spec.root / "customize.sh"}')
     log(f"rootfs: mmdebstrap {spec.release}, {len(spec.lock)} packages (log {work}/mmdebstrap.log)")
@@ -154,12 +125,11 @@ def _rootfs(
 
 
 def build(flavor: str, work: Path, log: Callable[[str], None]) -> Built:
-    # files the build makes (initrd, byte-code, the disk) must not take the caller's umask
-    old_umask = os.umask(0o022)
     try:
         return _build(work, log)
     finally:
-        os.umask(old_umask)
+        unmount_under(work)  # what an interrupted mmdebstrap left mounted
+        shutil.rmtree(work / "rootfs", ignore_errors=True)
 
 
 def _build(work: Path, log: Callable[[str], None]) -> Built:
@@ -242,7 +212,10 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
         "kvlab-target.efi": out / "kvlab-target.efi",
         "roothash": out / "roothash",
     }
-    components = [Component("deb", n, v, "") for n, v in sorted(installed.items())]
+    components = [
+        Component(kind="deb", name=n, version=v, sha256="", arch=spec.arch)
+        for n, v in sorted(installed.items())
+    ]
     meta = {
         "kernel": kver,
         "roothash": roothash,
@@ -254,33 +227,3 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
         "size_bytes": (out / ARTIFACT).stat().st_size,
     }
     return Built(artifact=out / ARTIFACT, files=files, components=components, meta=meta)
-
-
-def _identity() -> str:
-    """Stand-in for the orchestrator's identity until kvlab.images.build is merged."""
-    h = hashlib.sha256(b"target\0\0")
-    repo = paths.repo_root()
-    for p in inputs():
-        h.update(p.resolve().relative_to(repo).as_posix().encode() + b"\0")
-        h.update(p.read_bytes())
-    h.update(tools().encode())
-    return h.hexdigest()[:16]
-
-
-def ensure(log: Callable[[str], None] = print) -> Path:
-    """The cached build's folder (built if missing); stand-in for kvlab.images.build.ensure."""
-    base = paths.cache_dir() / "images"
-    final = base / f"target-{_identity()}"
-    if (final / ARTIFACT).exists():
-        return final
-    base.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".build-target-", dir=base))
-    try:
-        built = build("", work, log)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(built.artifact.parent, final)
-        return final
-    finally:
-        unmount_under(work)
-        shutil.rmtree(work, ignore_errors=True)

@@ -17,7 +17,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from kvlab.testbed.image import ImageError
+from kvlab.images import ImageError
 
 SEED_LABEL = "kvlab-seed"
 UKI_PATH = "EFI/BOOT/BOOTX64.EFI"  # the removable-media default boot path: no NVRAM entry needed

@@ -1,9 +1,8 @@
 """Write a seed into a copy of the target appliance's disk, from the host (the testbed's way in).
 
 The seed partition is the GPT partition labelled kvlab-seed; its ext4 filesystem holds
-nvmet.json (the nvmeof_target role's format), and optionally network/*.network (systemd-networkd,
-copied to /run at boot), rxe-links (soft-RoCE, the rdma role's format) and ssh/authorized_keys
-(which turns SSH on). This module reads the GPT itself, makes the filesystem with mke2fs -d and
+nvmet.json (the nvmeof_target role's file, with the appliance's fabric: netdevs, rxe_links,
+roce_lossless) and, optionally, ssh/authorized_keys (which turns SSH on). This module reads the GPT itself, makes the filesystem with mke2fs -d and
 writes it over the partition of a qcow2 overlay with qemu-io, so the cached image is never touched.
 """
 

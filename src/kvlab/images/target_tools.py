@@ -23,7 +23,8 @@ from pathlib import Path
 import yaml
 
 from kvlab import paths
-from kvlab.testbed.image import ImageError, _pinned_keyring, parse_lock, unmount_under
+from kvlab.images import ImageError
+from kvlab.testbed.image import _pinned_keyring, parse_lock, unmount_under
 
 DEFINITION = Path("images/tools/trixie")
 # Where the build folder appears inside the tree while a chroot runs.
