@@ -36,7 +36,7 @@ def load(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(mod, "ROOT", str(root))
     monkeypatch.setattr(mod, "CONFIG", str(tmp_path / "nvmet.json"))
     monkeypatch.setattr(mod, "OWNED", str(tmp_path / "state" / "nvmet-owned.json"))
-    monkeypatch.setattr(mod, "wait_for_address", lambda address: None)
+    monkeypatch.setattr(mod, "wait_for_addresses", lambda cfg: None)
     monkeypatch.setattr(mod.subprocess, "run", lambda *a, **k: None)
     monkeypatch.setattr(mod.Applier, "fs_mkdir", staticmethod(lambda p: configfs_mkdir(root, p)))
     monkeypatch.setattr(mod.Applier, "fs_rmdir", staticmethod(lambda p: configfs_rmdir(root, p)))

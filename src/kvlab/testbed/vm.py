@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,6 +42,7 @@ class MachineSpec:
     memory_mib: int = 1024
     cpus: int = 1
     data_disk_mib: int = 0  # >0: a blank raw disk with serial kvlab-<name>-data0
+    uefi: bool = False  # boot the image's disk.raw through OVMF (an appliance's UKI), not its kernel
 
 
 @dataclasses.dataclass
@@ -76,14 +78,17 @@ def qemu_command(
         if spec.fabric_role == "listen"
         else f"socket,id=fabric,connect=127.0.0.1:{fabric_port}"
     )
+    boot = uefi_boot(machine_dir) if spec.uefi else [
+        "-kernel", str(image_dir / "vmlinuz"), "-initrd", str(image_dir / "initrd.img"),
+        "-append", f"root=LABEL=kvlab-root rw console=ttyS0,115200 net.ifnames=0 systemd.hostname={spec.name} "
+                   "panic=-1 quiet systemd.show_status=error",
+    ]  # fmt: skip
     cmd = [
         "qemu-system-x86_64", "-name", spec.name, "-nodefaults", "-no-user-config",
         "-machine", "pc", "-accel", "tcg,tb-size=256", "-cpu", os.environ.get("KVLAB_TESTBED_CPU", "qemu64"),
         "-smp", str(spec.cpus), "-m", str(spec.memory_mib),
         "-display", "none", "-vga", "none",
-        "-kernel", str(image_dir / "vmlinuz"), "-initrd", str(image_dir / "initrd.img"),
-        "-append", f"root=LABEL=kvlab-root rw console=ttyS0,115200 net.ifnames=0 systemd.hostname={spec.name} "
-                   "panic=-1 quiet systemd.show_status=error",
+        *boot,
         "-drive", f"file={machine_dir / 'root.qcow2'},if=virtio,format=qcow2,cache=unsafe,discard=unmap",
         "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22",
         "-device", f"virtio-net-pci,netdev=mgmt,mac={spec.mgmt_mac}",
@@ -105,8 +110,26 @@ def qemu_command(
     return cmd
 
 
+# UEFI boot, for appliance images (a disk whose ESP holds a UKI): OVMF from Debian's `ovmf`
+# package, read-only code and a per-machine copy of its variable store. Secure Boot stays off:
+# the testbed boots unsigned builds.
+OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+
+
+def uefi_boot(machine_dir: Path) -> list[str]:
+    return [
+        "-drive", f"if=pflash,format=raw,unit=0,readonly=on,file={OVMF_CODE}",
+        "-drive", f"if=pflash,format=raw,unit=1,file={machine_dir / 'ovmf-vars.fd'}",
+    ]  # fmt: skip
+
+
 def prepare_disks(spec: MachineSpec, image_dir: Path, machine_dir: Path) -> None:
     machine_dir.mkdir(parents=True, exist_ok=True)
+    if spec.uefi and not (machine_dir / "ovmf-vars.fd").exists():
+        if not OVMF_CODE.exists():
+            raise VMError(f"{spec.name}: {OVMF_CODE} missing (install ovmf: scripts/testbed-deps)")
+        shutil.copyfile(OVMF_VARS, machine_dir / "ovmf-vars.fd")
     overlay = machine_dir / "root.qcow2"
     if not overlay.exists():
         subprocess.run(
