@@ -48,13 +48,15 @@ class EngineParams:
     cpu_cores: str | None = "0-1"
     cpu_kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.9
-    # kvlab's store: one path per drive, a capacity and the host staging ring.
+    # kvlab's store: one path per drive. The other kv_* fields are the connector's keys of
+    # the same name (CONNECTOR_KEYS), sent only where a user or a campaign set them (None:
+    # not set): the connector owns their defaults (kvlab_connector.config).
     kv_store_paths: tuple[str, ...] = ()
-    kv_store_capacity_bytes: int = 64 << 30
-    kv_ring_bytes: int = 256 << 20
-    kv_chunk_tokens: int = 512
-    kv_io_threads: int = 8
-    kv_load_timeout_s: float = 30.0
+    kv_store_capacity_bytes: int | None = None
+    kv_ring_bytes: int | None = None
+    kv_chunk_tokens: int | None = None
+    kv_io_threads: int | None = None  # requests in flight over ALL drives (default: 8 per drive)
+    kv_load_timeout_s: float | None = None
     kv_metrics_port: int | None = None
     # vLLM's ExampleConnector keeps one folder of safetensors files.
     example_storage_path: str = ""
@@ -226,19 +228,26 @@ def _engine_argv(p: EngineParams, kv: dict[str, Any] | None) -> list[str]:
     return argv
 
 
+# EngineParams field -> kvlab connector key (kv_connector_extra_config).
+CONNECTOR_KEYS = {
+    "kv_store_capacity_bytes": "capacity_bytes",
+    "kv_ring_bytes": "ring_bytes",
+    "kv_chunk_tokens": "chunk_tokens",
+    "kv_io_threads": "io_threads",
+    "kv_load_timeout_s": "load_timeout_s",
+    "kv_metrics_port": "metrics_port",
+}
+
+
+def connector_settings(p: EngineParams) -> dict[str, Any]:
+    """The connector keys that `p` sets: nothing for a field left at None."""
+    return {key: getattr(p, name) for name, key in CONNECTOR_KEYS.items() if getattr(p, name) is not None}
+
+
 def _kvlab_kv(p: EngineParams) -> dict[str, Any]:
     if not p.kv_store_paths:
         raise SetupError("setup 'kvlab' needs kv_store_paths: give one directory per drive")
-    extra: dict[str, Any] = {
-        "paths": list(p.kv_store_paths),
-        "capacity_bytes": p.kv_store_capacity_bytes,
-        "ring_bytes": p.kv_ring_bytes,
-        "chunk_tokens": p.kv_chunk_tokens,
-        "io_threads": p.kv_io_threads,
-        "load_timeout_s": p.kv_load_timeout_s,
-    }
-    if p.kv_metrics_port is not None:
-        extra["metrics_port"] = p.kv_metrics_port
+    extra: dict[str, Any] = {"paths": list(p.kv_store_paths)} | connector_settings(p)
     return {
         "kv_connector": "KvlabConnector",
         "kv_connector_module_path": "kvlab_connector.vllm_connector",

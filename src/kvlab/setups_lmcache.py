@@ -36,6 +36,7 @@ from kvlab.setups import (
     SetupError,
     register,
 )
+from kvlab_connector.config import CAPACITY_BYTES
 
 CHUNK_TOKENS = 256  # LMCache's chunk size, engine and cache server alike
 # What LMCache prints when its in-process connector gives up at start and lets vLLM
@@ -48,6 +49,7 @@ GUARD_EXIT = 78
 GUARD_ENTRY = "import sys; from kvlab.setups_lmcache import main; sys.exit(main())"  # EX_CONFIG: the setup cannot serve what it claims on this machine
 KVLAB_L2_MODULE = "kvlab_connector.lmcache_l2"
 KVLAB_L2_CLASS = "KvlabL2Adapter"
+L2_RING_CAP_BYTES = 256 << 20
 
 
 # ---- in-process LMCache (LMCacheConnectorV1) -----------------------------------------
@@ -81,9 +83,12 @@ def _cpu_env(p: EngineParams) -> dict[str, str]:
 
 def _disk_env(p: EngineParams) -> dict[str, str]:
     path = _need_l2_path(p, "lmcache-disk").rstrip("/") + "/"
+    # LMCache's disk gets the bound kvlab's store gets (LMCache's own default, 0 GiB, would
+    # keep nothing on its disk).
+    capacity = CAPACITY_BYTES if p.kv_store_capacity_bytes is None else p.kv_store_capacity_bytes
     return _lmcache_env(
         p, local_cpu="False", max_local_cpu_size=str(p.cache_server_l1_gib),
-        local_disk=f"file://{path}", max_local_disk_size=str(p.kv_store_capacity_bytes / (1 << 30)),
+        local_disk=f"file://{path}", max_local_disk_size=str(capacity / (1 << 30)),
     )
 
 
@@ -140,16 +145,21 @@ def kvlab_l2_spec(p: EngineParams) -> dict[str, Any]:
     """The `--l2-adapter` JSON that puts kvlab's store under LMCache's L1."""
     if not p.kv_store_paths:
         raise SetupError("setup 'lmcache-mp+kvlab' needs kv_store_paths: give one directory per drive")
+    params: dict[str, Any] = {"paths": list(p.kv_store_paths)}
+    # Only what a user or a campaign set; the adapter owns its defaults.
+    if p.kv_store_capacity_bytes is not None:
+        params["capacity_bytes"] = p.kv_store_capacity_bytes
+    if p.kv_ring_bytes is not None:
+        # LMCache's L1 is the DRAM tier here: its L2's staging ring does not grow with the
+        # connector's (the lab gives the connector 10 GiB).
+        params["ring_bytes"] = min(p.kv_ring_bytes, L2_RING_CAP_BYTES)
+    if p.kv_io_threads is not None:
+        params["io_threads"] = p.kv_io_threads
     return {
         "type": "plugin",
         "module_path": KVLAB_L2_MODULE,
         "class_name": KVLAB_L2_CLASS,
-        "adapter_params": {
-            "paths": list(p.kv_store_paths),
-            "capacity_bytes": p.kv_store_capacity_bytes,
-            "ring_bytes": min(p.kv_ring_bytes, 256 << 20),
-            "io_threads": p.kv_io_threads,
-        },
+        "adapter_params": params,
     }
 
 

@@ -259,11 +259,19 @@ def test_bad_params_name_the_field() -> None:
     with pytest.raises(ValueError, match="paths"):
         KvlabL2AdapterConfig.from_dict({"capacity_bytes": 1})
     with pytest.raises(ValueError, match="capacity"):
-        KvlabL2AdapterConfig.from_dict({"paths": ["/x"]})
+        KvlabL2AdapterConfig.from_dict({"paths": ["/x"], "capacity_bytes": -1})
     with pytest.raises(ValueError, match="section_bytes"):
         KvlabL2AdapterConfig.from_dict({"paths": ["/x"], "capacity_bytes": 1, "section_bytes": 1000})
     with pytest.raises(ValueError, match="io_threads"):
         KvlabL2AdapterConfig.from_dict({"paths": ["/x"], "capacity_bytes": 1, "io_threads": "8"})
+
+
+def test_an_unset_capacity_is_the_vllm_connectors_bound() -> None:
+    """One default for one store: the registry sends capacity_bytes only where it was set."""
+    from kvlab_connector.config import CAPACITY_BYTES, ConnectorConfig
+
+    assert KvlabL2AdapterConfig.from_dict({"paths": ["/x"]}).capacity_bytes == CAPACITY_BYTES
+    assert ConnectorConfig.from_extra({"paths": ["/x"]}).capacity_bytes == CAPACITY_BYTES
 
 
 def test_lmcache_loads_it_as_a_plugin(drives: list[Path]) -> None:

@@ -13,6 +13,12 @@ class ConfigError(ValueError):
     pass
 
 
+# The store's defaults, owned here: kvlab's registry sends a setting only where a user or a
+# campaign set one, and the LMCache L2 adapter over the same store bounds it alike.
+CAPACITY_BYTES = 64 << 30
+RING_BYTES = 256 << 20
+
+
 def is_positive_int(v: Any) -> bool:
     """An int above zero (a JSON `true` is not a count)."""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
@@ -21,10 +27,11 @@ def is_positive_int(v: Any) -> bool:
 @dataclass(frozen=True)
 class ConnectorConfig:
     paths: tuple[str, ...]
-    capacity_bytes: int = 64 << 30
-    ring_bytes: int = 256 << 20
+    capacity_bytes: int = CAPACITY_BYTES
+    ring_bytes: int = RING_BYTES
     chunk_tokens: int = 512
-    io_threads: int | None = None  # None: 8 per drive (store.IO_THREADS_PER_DRIVE)
+    # Requests in flight over all drives; None: 8 per drive (store.IO_THREADS_PER_DRIVE).
+    io_threads: int | None = None
     load_timeout_s: float = 30.0
     # How long a save may wait for a ring slot before it is dropped: 0 means never wait,
     # so generation never waits on the drives.

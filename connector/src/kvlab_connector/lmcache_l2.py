@@ -42,7 +42,7 @@ from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInter
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvlab_connector.config import is_positive_int
+from kvlab_connector.config import CAPACITY_BYTES, is_positive_int
 from kvlab_connector.ring import PAGE, RingFull, StagingRing, align_up
 from kvlab_connector.store import ObjectShape, Store
 
@@ -55,7 +55,7 @@ class KvlabL2AdapterConfig(L2AdapterConfigBase):
     def __init__(
         self,
         paths: list[str],
-        capacity_bytes: int,
+        capacity_bytes: int = CAPACITY_BYTES,
         ring_bytes: int = 64 << 20,
         section_bytes: int = 1 << 20,
         io_threads: int | None = None,
@@ -82,7 +82,7 @@ class KvlabL2AdapterConfig(L2AdapterConfigBase):
         elif "capacity_gb" in d:
             capacity = int(float(d["capacity_gb"]) * (1 << 30))
         else:
-            raise ValueError("kvlab L2 adapter: give 'capacity_bytes' (or 'capacity_gb'): the store is bounded")
+            capacity = CAPACITY_BYTES  # the vLLM connector's bound over the same store
         if capacity <= 0:
             raise ValueError(f"kvlab L2 adapter: capacity must be positive, got {capacity}")
         section = int(d.get("section_bytes", 1 << 20))
@@ -107,7 +107,8 @@ class KvlabL2AdapterConfig(L2AdapterConfigBase):
         return (
             "kvlab L2 adapter (kvlab's on-drive store) config fields:\n"
             "- paths (list[str]): one directory per drive (required)\n"
-            "- capacity_bytes (int) or capacity_gb (float): the store's bound; LRU eviction (required)\n"
+            f"- capacity_bytes (int) or capacity_gb (float): the store's bound; LRU eviction "
+            f"({CAPACITY_BYTES >> 30} GiB, the vLLM connector's)\n"
             "- ring_bytes (int): host staging ring, the only host memory KV passes through (64 MiB)\n"
             "- section_bytes (int): I/O size an object is cut into (1 MiB, a multiple of 4096)\n"
             "- io_threads (int): I/Os in flight over all drives (8 per drive)\n"
