@@ -8,9 +8,10 @@ kvlab's engine control and the Ansible serving role both render from here
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -268,14 +269,75 @@ def _example_kv(p: EngineParams) -> dict[str, Any]:
     }
 
 
-REGISTRY: dict[str, Setup] = {}
+class Registry(MutableMapping[str, Setup]):
+    """Setup name -> Setup, in the order declared.
+
+    A setup defined in another module is declared here by name and module path, and that
+    module is imported on first use, as vLLM's KVConnectorFactory.register_connector does:
+    the module imports this one for the types, and nothing imports back."""
+
+    def __init__(self) -> None:
+        self._setups: dict[str, Setup] = {}
+        self._declared_in: dict[str, str] = {}  # name -> module path, for each declared name
+        self._modules: dict[str, str] = {}  # the same, for those not loaded yet
+        self._order: list[str] = []
+
+    def register(self, setup: Setup) -> Setup:
+        self._declare(setup.name)
+        self._setups[setup.name] = setup
+        return setup
+
+    def register_module(self, module_path: str, names: tuple[str, ...]) -> None:
+        """Declare `names`, the setups that `module_path` defines in its SETUPS."""
+        for name in names:
+            self._declare(name)
+            self._declared_in[name] = self._modules[name] = module_path
+
+    def _declare(self, name: str) -> None:
+        if name in self._order:
+            raise ValueError(f"setup {name!r} registered twice")
+        self._order.append(name)
+
+    def _load(self, module_path: str) -> None:
+        declared = {n for n, m in self._declared_in.items() if m == module_path}
+        defined = {s.name: s for s in importlib.import_module(module_path).SETUPS}
+        if set(defined) != declared:
+            raise RuntimeError(
+                f"{module_path}.SETUPS defines {sorted(defined)}, the registry declares {sorted(declared)} for it"
+            )
+        for name in [n for n, m in self._modules.items() if m == module_path]:
+            self._setups[name] = defined[name]
+            del self._modules[name]
+
+    def __getitem__(self, name: str) -> Setup:
+        if name in self._modules:
+            self._load(self._modules[name])
+        return self._setups[name]
+
+    def __setitem__(self, name: str, setup: Setup) -> None:
+        if setup.name != name:
+            raise ValueError(f"setup {setup.name!r} registered as {name!r}")
+        if name not in self._order:
+            self._order.append(name)
+        self._modules.pop(name, None)
+        self._setups[name] = setup
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self._order:
+            raise KeyError(name)
+        self._order.remove(name)
+        self._setups.pop(name, None)
+        self._modules.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
-def register(setup: Setup) -> Setup:
-    if setup.name in REGISTRY:
-        raise ValueError(f"setup {setup.name!r} registered twice")
-    REGISTRY[setup.name] = setup
-    return setup
+REGISTRY = Registry()
+register = REGISTRY.register
 
 
 register(Setup(
@@ -320,6 +382,13 @@ register(Setup(
 ))
 
 
+# LMCache's tiers (in-process and MP mode): kvlab/setups_lmcache.py.
+REGISTRY.register_module("kvlab.setups_lmcache", (
+    "lmcache-cpu", "lmcache-disk", "lmcache-gds", "lmcache-mp", "lmcache-mp+fs",
+    "lmcache-mp+kvlab", "lmcache-mp+kvlab-detached",
+))
+
+
 def get(name: str) -> Setup:
     try:
         return REGISTRY[name]
@@ -331,4 +400,3 @@ def get(name: str) -> Setup:
 
 def render(name: str, params: EngineParams) -> Deployment:
     return get(name).render(params)
-from kvlab import setups_lmcache  # noqa: E402,F401

@@ -1,4 +1,5 @@
-"""LMCache's tiers as setups of the one registry (imported at the end of kvlab.setups).
+"""LMCache's tiers as setups of the one registry: kvlab.setups declares their names and
+loads SETUPS from here on first use (this module imports the registry's types, never back).
 
 In-process (LMCache inside vLLM's worker): `lmcache-cpu` (DRAM), `lmcache-disk` (local
 disk, non-GDS), `lmcache-gds` (GPUDirect Storage; CUDA only).
@@ -34,7 +35,6 @@ from kvlab.setups import (
     ProcessSpec,
     Setup,
     SetupError,
-    register,
 )
 from kvlab_connector.config import CAPACITY_BYTES
 
@@ -44,8 +44,8 @@ CHUNK_TOKENS = 256  # LMCache's chunk size, engine and cache server alike
 # manager's "degraded mode" line, whatever the cause.
 DEGRADED_MARKERS = ("No supported cpu connector found", "will operate in degraded mode (recompute)")
 GUARD_EXIT = 78
-# Not `-m kvlab.setups_lmcache`: that would run this module a second time, as __main__,
-# and register every setup twice.
+# Not `-m kvlab.setups_lmcache`: that would run a second copy of this module, as __main__,
+# beside the one the registry loads.
 GUARD_ENTRY = "import sys; from kvlab.setups_lmcache import main; sys.exit(main())"  # EX_CONFIG: the setup cannot serve what it claims on this machine
 KVLAB_L2_MODULE = "kvlab_connector.lmcache_l2"
 KVLAB_L2_CLASS = "KvlabL2Adapter"
@@ -198,22 +198,6 @@ _INPROCESS_SETUPS = (
     ("lmcache-cpu", "KV offloaded to DRAM", _cpu_env),
     ("lmcache-disk", "local disk backend (non-GDS) under a DRAM buffer", _disk_env),
 )
-for _name, _what, _env in _INPROCESS_SETUPS:
-    register(GuardedSetup(
-        name=_name,
-        description=f"LMCache in-process (LMCacheConnectorV1), {_what}; "
-        "on the CPU engine it refuses to start: LMCache has no CPU path there",
-        devices=("cpu", "cuda"),
-        kv_transfer=_inprocess_kv,
-        extra_env=_env,
-    ))
-register(Setup(
-    name="lmcache-gds",
-    description="LMCache in-process with its GDS backend (cuFile straight into GPU memory); needs CUDA",
-    devices=("cuda",),
-    kv_transfer=_inprocess_kv,
-    extra_env=_gds_env,
-))
 # MP mode: (name, description, the L2 under the L1, cache server outlives engine restarts)
 _MP_SETUPS: tuple[tuple[str, str, Callable[[EngineParams], dict[str, Any] | None], bool], ...] = (
     ("lmcache-mp", "LMCache MP cache server, L1 in DRAM with the retain policy; restarts with the engine",
@@ -225,20 +209,39 @@ _MP_SETUPS: tuple[tuple[str, str, Callable[[EngineParams], dict[str, Any] | None
      "lmcache-mp+kvlab with the cache server in its own service: it outlives engine restarts",
      kvlab_l2_spec, True),
 )
-for _name, _description, _l2, _survives in _MP_SETUPS:
-    register(Setup(
-        name=_name,
-        description=_description,
-        devices=("cpu", "cuda"),
-        kv_transfer=_mp_kv,
-        companion=lambda p, l2=_l2: cache_server(p, l2(p)),
-        companion_survives_engine_restart=_survives,
-    ))
-
-LMCACHE_SETUPS = (
-    "lmcache-cpu", "lmcache-disk", "lmcache-gds", "lmcache-mp", "lmcache-mp+fs",
-    "lmcache-mp+kvlab", "lmcache-mp+kvlab-detached",
+# What kvlab.setups declares under this module's path, in its order.
+SETUPS: tuple[Setup, ...] = (
+    *(
+        GuardedSetup(
+            name=name,
+            description=f"LMCache in-process (LMCacheConnectorV1), {what}; "
+            "on the CPU engine it refuses to start: LMCache has no CPU path there",
+            devices=("cpu", "cuda"),
+            kv_transfer=_inprocess_kv,
+            extra_env=env,
+        )
+        for name, what, env in _INPROCESS_SETUPS
+    ),
+    Setup(
+        name="lmcache-gds",
+        description="LMCache in-process with its GDS backend (cuFile straight into GPU memory); needs CUDA",
+        devices=("cuda",),
+        kv_transfer=_inprocess_kv,
+        extra_env=_gds_env,
+    ),
+    *(
+        Setup(
+            name=name,
+            description=description,
+            devices=("cpu", "cuda"),
+            kv_transfer=_mp_kv,
+            companion=lambda p, l2=l2: cache_server(p, l2(p)),
+            companion_survives_engine_restart=survives,
+        )
+        for name, description, l2, survives in _MP_SETUPS
+    ),
 )
+LMCACHE_SETUPS = tuple(s.name for s in SETUPS)
 # What the embedded default (vLLM CPU engine) can measure: the in-process setups are
 # registered for CPU so that a campaign asking for them fails loudly, not silently.
 CPU_MEASURABLE = ("lmcache-mp", "lmcache-mp+fs", "lmcache-mp+kvlab", "lmcache-mp+kvlab-detached")
