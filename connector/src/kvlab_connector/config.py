@@ -5,6 +5,7 @@ A wrong key or value stops the engine with one line that names the field and the
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +23,17 @@ RING_BYTES = 256 << 20
 def is_positive_int(v: Any) -> bool:
     """An int above zero (a JSON `true` is not a count)."""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def positive_int(text: str) -> int:
+    """argparse's type for a count or a size: it names the flag when the value is none."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if not is_positive_int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
