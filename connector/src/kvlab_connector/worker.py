@@ -20,6 +20,7 @@ import torch
 
 from kvlab_connector import metrics
 from kvlab_connector.config import ConnectorConfig
+from kvlab_connector.counters import COUNTERS
 from kvlab_connector.io_gds import DeviceIO, GdsProbe
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import DeviceRing, StagingRing
@@ -225,29 +226,18 @@ class WorkerSide:
                 m["ring_in_use"].set(self._ring_reported)
 
     def counters(self) -> dict[str, Any]:
+        """Every counter a worker reports (counters.WORKER_REPORTED), by its one name."""
         s = self.store.stats
         return {
-            "bytes_read": s.bytes_read, "bytes_written": s.bytes_written, "read_s": s.read_s,
-            "write_s": s.write_s, "objects_written": s.objects_written,
-            "checksum_failures": s.checksum_failures, "sections_failed": s.sections_failed,
-            "saves_dropped": self.saves_dropped, "load_error_blocks": self.load_error_blocks,
-            "evictions": s.evictions, "out_of_space": s.out_of_space,
+            c.name: getattr(s if c.source == "store" else self, c.name)
+            for c in COUNTERS
+            if c.source != "scheduler"
         }
 
     def stats(self) -> dict[str, Any]:
-        s = self.store.stats
         return {
             "io_mode": self.io_mode,
-            "bytes_read": s.bytes_read,
-            "bytes_written": s.bytes_written,
-            "objects_written": s.objects_written,
-            "checksum_failures": s.checksum_failures,
-            "sections_failed": s.sections_failed,
-            "saves_dropped": self.saves_dropped,
-            "writes_aborted": s.writes_aborted,
-            "evictions": s.evictions,
-            "out_of_space": s.out_of_space,
+            **self.counters(),
             "ring_bytes": self.ring.ring_bytes if self.ring else 0,
             "ring_high_water_slots": self.ring.high_water if self.ring else 0,
         }
-

@@ -316,6 +316,6 @@ class LoadPipeline:
         errors, self._errors = self._errors, set()
         if errors:
             self.error_blocks += len(errors)
-            metrics.inc("load_errors", len(errors))
+            metrics.inc("load_error_blocks", len(errors))
             log.warning("kvlab connector: %d blocks failed to load; vLLM recomputes them", len(errors))
         return errors
