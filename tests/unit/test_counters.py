@@ -6,6 +6,8 @@ under the other; `missing`, `evicted_bytes` and `writes_aborted` were counted, n
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,19 +65,28 @@ def test_store_counters_are_the_stores_fields() -> None:
     assert {c.name for c in COUNTERS if c.source == "store"} <= fields
 
 
-def test_the_worker_and_vllms_stats_report_every_declared_counter(tmp_path: Path) -> None:
+def test_the_worker_reports_every_declared_counter(tmp_path: Path) -> None:
     from test_worker import worker
-
-    from kvlab_connector.vllm_stats import COUNTERS as VLLM_COUNTERS
-    from kvlab_connector.vllm_stats import KvlabStats, delta
 
     w, _ = worker(tmp_path)
     try:
-        assert tuple(w.counters()) == WORKER_REPORTED == tuple(VLLM_COUNTERS)
+        assert tuple(w.counters()) == WORKER_REPORTED
         assert set(WORKER_REPORTED) <= set(w.stats())
         assert {"missing", "evicted_bytes", "writes_aborted", "load_error_blocks"} <= set(WORKER_REPORTED)
-        w.store.stats.missing = 3
-        stats = KvlabStats(data=delta(w.counters(), {}))
-        assert stats.reduce()["missing"] == 3
     finally:
         w.store.close()
+
+
+def test_vllms_connector_stats_carry_every_reported_counter() -> None:
+    # In a fresh interpreter: vLLM's import of torch._dynamo fails in a process where
+    # Ansible (other unit tests) has patched sys.intern.
+    code = (
+        "from kvlab_connector.counters import WORKER_REPORTED\n"
+        "from kvlab_connector.vllm_stats import COUNTERS, KvlabStats, delta\n"
+        "assert tuple(COUNTERS) == WORKER_REPORTED, COUNTERS\n"
+        "stats = KvlabStats(data=delta({'missing': 3, 'load_error_blocks': 2}, {}))\n"
+        "r = stats.reduce()\n"
+        "assert r['missing'] == 3 and r['load_error_blocks'] == 2, r\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
