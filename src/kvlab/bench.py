@@ -47,6 +47,7 @@ from kvlab.harness import metrics, results
 from kvlab.harness.memory import tree_usage
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.paths import state_dir
+from kvlab_connector.config import positive_int
 
 
 def note(msg: str) -> None:
@@ -226,9 +227,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     st = s.add_parser("store", help="store GB/s against fio's O_DIRECT limit, interleaved; index rebuild time")
     # Each repeat runs the jobs in another order: 12 runs every order twice. On this project's
     # virtual drive one repeat's ratio ranges from 0.4 to 1.2, so the median needs that many.
-    st.add_argument("--repeats", type=int, default=12, help="each repeat runs the jobs in another order (6 orders)")
-    st.add_argument("--size-mib", type=int, default=1024)
-    st.add_argument("--small-objects", type=int, default=100_000)
+    st.add_argument("--repeats", type=positive_int, default=12,
+                    help="each repeat runs the jobs in another order (6 orders)")
+    st.add_argument("--size-mib", type=positive_int, default=1024,
+                    help="MiB each job writes, reads back and deletes (at most what the workdir has free)")
+    st.add_argument("--small-objects", type=positive_int, default=100_000)
     st.add_argument("--workdir", type=Path, default=None)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_store)
@@ -243,8 +246,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_overhead.register(s)
 
 
+def check_room(work: Path, size_mib: int) -> None:
+    """Refuse a --size-mib the workdir's filesystem cannot hold (one job's file at a time)."""
+    from kvlab.cli import UserError
+
+    where = work
+    while not where.exists():
+        where = where.parent
+    free_mib = shutil.disk_usage(where).free >> 20
+    if size_mib > free_mib:
+        raise UserError(f"--size-mib {size_mib}: {where} has {free_mib} MiB free; give at most that, "
+                        "or a --workdir on a larger filesystem")
+
+
 def _store(args: argparse.Namespace) -> int:
     work = args.workdir or state_dir() / "bench-store"
+    check_room(work, args.size_mib)
     res = bench_store(work, args.repeats, args.size_mib, args.small_objects)
     if args.json:
         print(json.dumps(res))

@@ -100,7 +100,6 @@ def engine_params(model: Path, tokens: int, work: Path, port: int) -> setups.Eng
         max_num_batched_tokens=batch,
         cpu_kv_cache_gib=max(2, (tokens * TinyGeometry().kv_bytes_per_token * 2) // (1 << 30) + 1),
         kv_store_paths=(str(work / "kvlab-store"),),
-        kv_ring_bytes=256 << 20,
         kv_metrics_port=free_port(),  # the connector's own metrics: the I/O mode it used
         example_storage_path=str(work / "example-store"),
     )

@@ -8,9 +8,10 @@ kvlab's engine control and the Ansible serving role both render from here
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,15 @@ class EngineParams:
     cpu_cores: str | None = "0-1"
     cpu_kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.9
-    # kvlab's store: one path per drive, a capacity and the host staging ring.
+    # kvlab's store: one path per drive. The other kv_* fields are the connector's keys of
+    # the same name (CONNECTOR_KEYS), sent only where a user or a campaign set them (None:
+    # not set): the connector owns their defaults (kvlab_connector.config).
     kv_store_paths: tuple[str, ...] = ()
-    kv_store_capacity_bytes: int = 64 << 30
-    kv_ring_bytes: int = 256 << 20
-    kv_chunk_tokens: int = 512
-    kv_io_threads: int = 8
-    kv_load_timeout_s: float = 30.0
+    kv_store_capacity_bytes: int | None = None
+    kv_ring_bytes: int | None = None
+    kv_chunk_tokens: int | None = None
+    kv_io_threads: int | None = None  # requests in flight over ALL drives (default: 8 per drive)
+    kv_load_timeout_s: float | None = None
     kv_metrics_port: int | None = None
     # vLLM's ExampleConnector keeps one folder of safetensors files.
     example_storage_path: str = ""
@@ -226,19 +229,26 @@ def _engine_argv(p: EngineParams, kv: dict[str, Any] | None) -> list[str]:
     return argv
 
 
+# EngineParams field -> kvlab connector key (kv_connector_extra_config).
+CONNECTOR_KEYS = {
+    "kv_store_capacity_bytes": "capacity_bytes",
+    "kv_ring_bytes": "ring_bytes",
+    "kv_chunk_tokens": "chunk_tokens",
+    "kv_io_threads": "io_threads",
+    "kv_load_timeout_s": "load_timeout_s",
+    "kv_metrics_port": "metrics_port",
+}
+
+
+def connector_settings(p: EngineParams) -> dict[str, Any]:
+    """The connector keys that `p` sets: nothing for a field left at None."""
+    return {key: getattr(p, name) for name, key in CONNECTOR_KEYS.items() if getattr(p, name) is not None}
+
+
 def _kvlab_kv(p: EngineParams) -> dict[str, Any]:
     if not p.kv_store_paths:
         raise SetupError("setup 'kvlab' needs kv_store_paths: give one directory per drive")
-    extra: dict[str, Any] = {
-        "paths": list(p.kv_store_paths),
-        "capacity_bytes": p.kv_store_capacity_bytes,
-        "ring_bytes": p.kv_ring_bytes,
-        "chunk_tokens": p.kv_chunk_tokens,
-        "io_threads": p.kv_io_threads,
-        "load_timeout_s": p.kv_load_timeout_s,
-    }
-    if p.kv_metrics_port is not None:
-        extra["metrics_port"] = p.kv_metrics_port
+    extra: dict[str, Any] = {"paths": list(p.kv_store_paths)} | connector_settings(p)
     return {
         "kv_connector": "KvlabConnector",
         "kv_connector_module_path": "kvlab_connector.vllm_connector",
@@ -259,14 +269,75 @@ def _example_kv(p: EngineParams) -> dict[str, Any]:
     }
 
 
-REGISTRY: dict[str, Setup] = {}
+class Registry(MutableMapping[str, Setup]):
+    """Setup name -> Setup, in the order declared.
+
+    A setup defined in another module is declared here by name and module path, and that
+    module is imported on first use, as vLLM's KVConnectorFactory.register_connector does:
+    the module imports this one for the types, and nothing imports back."""
+
+    def __init__(self) -> None:
+        self._setups: dict[str, Setup] = {}
+        self._declared_in: dict[str, str] = {}  # name -> module path, for each declared name
+        self._modules: dict[str, str] = {}  # the same, for those not loaded yet
+        self._order: list[str] = []
+
+    def register(self, setup: Setup) -> Setup:
+        self._declare(setup.name)
+        self._setups[setup.name] = setup
+        return setup
+
+    def register_module(self, module_path: str, names: tuple[str, ...]) -> None:
+        """Declare `names`, the setups that `module_path` defines in its SETUPS."""
+        for name in names:
+            self._declare(name)
+            self._declared_in[name] = self._modules[name] = module_path
+
+    def _declare(self, name: str) -> None:
+        if name in self._order:
+            raise ValueError(f"setup {name!r} registered twice")
+        self._order.append(name)
+
+    def _load(self, module_path: str) -> None:
+        declared = {n for n, m in self._declared_in.items() if m == module_path}
+        defined = {s.name: s for s in importlib.import_module(module_path).SETUPS}
+        if set(defined) != declared:
+            raise RuntimeError(
+                f"{module_path}.SETUPS defines {sorted(defined)}, the registry declares {sorted(declared)} for it"
+            )
+        for name in [n for n, m in self._modules.items() if m == module_path]:
+            self._setups[name] = defined[name]
+            del self._modules[name]
+
+    def __getitem__(self, name: str) -> Setup:
+        if name in self._modules:
+            self._load(self._modules[name])
+        return self._setups[name]
+
+    def __setitem__(self, name: str, setup: Setup) -> None:
+        if setup.name != name:
+            raise ValueError(f"setup {setup.name!r} registered as {name!r}")
+        if name not in self._order:
+            self._order.append(name)
+        self._modules.pop(name, None)
+        self._setups[name] = setup
+
+    def __delitem__(self, name: str) -> None:
+        if name not in self._order:
+            raise KeyError(name)
+        self._order.remove(name)
+        self._setups.pop(name, None)
+        self._modules.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
 
 
-def register(setup: Setup) -> Setup:
-    if setup.name in REGISTRY:
-        raise ValueError(f"setup {setup.name!r} registered twice")
-    REGISTRY[setup.name] = setup
-    return setup
+REGISTRY = Registry()
+register = REGISTRY.register
 
 
 register(Setup(
@@ -311,6 +382,13 @@ register(Setup(
 ))
 
 
+# LMCache's tiers (in-process and MP mode): kvlab/setups_lmcache.py.
+REGISTRY.register_module("kvlab.setups_lmcache", (
+    "lmcache-cpu", "lmcache-disk", "lmcache-gds", "lmcache-mp", "lmcache-mp+fs",
+    "lmcache-mp+kvlab", "lmcache-mp+kvlab-detached",
+))
+
+
 def get(name: str) -> Setup:
     try:
         return REGISTRY[name]
@@ -322,4 +400,3 @@ def get(name: str) -> Setup:
 
 def render(name: str, params: EngineParams) -> Deployment:
     return get(name).render(params)
-from kvlab import setups_lmcache  # noqa: E402,F401

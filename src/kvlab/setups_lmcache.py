@@ -1,4 +1,5 @@
-"""LMCache's tiers as setups of the one registry (imported at the end of kvlab.setups).
+"""LMCache's tiers as setups of the one registry: kvlab.setups declares their names and
+loads SETUPS from here on first use (this module imports the registry's types, never back).
 
 In-process (LMCache inside vLLM's worker): `lmcache-cpu` (DRAM), `lmcache-disk` (local
 disk, non-GDS), `lmcache-gds` (GPUDirect Storage; CUDA only).
@@ -34,8 +35,8 @@ from kvlab.setups import (
     ProcessSpec,
     Setup,
     SetupError,
-    register,
 )
+from kvlab_connector.config import CAPACITY_BYTES
 
 CHUNK_TOKENS = 256  # LMCache's chunk size, engine and cache server alike
 # What LMCache prints when its in-process connector gives up at start and lets vLLM
@@ -43,11 +44,12 @@ CHUNK_TOKENS = 256  # LMCache's chunk size, engine and cache server alike
 # manager's "degraded mode" line, whatever the cause.
 DEGRADED_MARKERS = ("No supported cpu connector found", "will operate in degraded mode (recompute)")
 GUARD_EXIT = 78
-# Not `-m kvlab.setups_lmcache`: that would run this module a second time, as __main__,
-# and register every setup twice.
+# Not `-m kvlab.setups_lmcache`: that would run a second copy of this module, as __main__,
+# beside the one the registry loads.
 GUARD_ENTRY = "import sys; from kvlab.setups_lmcache import main; sys.exit(main())"  # EX_CONFIG: the setup cannot serve what it claims on this machine
 KVLAB_L2_MODULE = "kvlab_connector.lmcache_l2"
 KVLAB_L2_CLASS = "KvlabL2Adapter"
+L2_RING_CAP_BYTES = 256 << 20
 
 
 # ---- in-process LMCache (LMCacheConnectorV1) -----------------------------------------
@@ -81,9 +83,12 @@ def _cpu_env(p: EngineParams) -> dict[str, str]:
 
 def _disk_env(p: EngineParams) -> dict[str, str]:
     path = _need_l2_path(p, "lmcache-disk").rstrip("/") + "/"
+    # LMCache's disk gets the bound kvlab's store gets (LMCache's own default, 0 GiB, would
+    # keep nothing on its disk).
+    capacity = CAPACITY_BYTES if p.kv_store_capacity_bytes is None else p.kv_store_capacity_bytes
     return _lmcache_env(
         p, local_cpu="False", max_local_cpu_size=str(p.cache_server_l1_gib),
-        local_disk=f"file://{path}", max_local_disk_size=str(p.kv_store_capacity_bytes / (1 << 30)),
+        local_disk=f"file://{path}", max_local_disk_size=str(capacity / (1 << 30)),
     )
 
 
@@ -140,16 +145,21 @@ def kvlab_l2_spec(p: EngineParams) -> dict[str, Any]:
     """The `--l2-adapter` JSON that puts kvlab's store under LMCache's L1."""
     if not p.kv_store_paths:
         raise SetupError("setup 'lmcache-mp+kvlab' needs kv_store_paths: give one directory per drive")
+    params: dict[str, Any] = {"paths": list(p.kv_store_paths)}
+    # Only what a user or a campaign set; the adapter owns its defaults.
+    if p.kv_store_capacity_bytes is not None:
+        params["capacity_bytes"] = p.kv_store_capacity_bytes
+    if p.kv_ring_bytes is not None:
+        # LMCache's L1 is the DRAM tier here: its L2's staging ring does not grow with the
+        # connector's (the lab gives the connector 10 GiB).
+        params["ring_bytes"] = min(p.kv_ring_bytes, L2_RING_CAP_BYTES)
+    if p.kv_io_threads is not None:
+        params["io_threads"] = p.kv_io_threads
     return {
         "type": "plugin",
         "module_path": KVLAB_L2_MODULE,
         "class_name": KVLAB_L2_CLASS,
-        "adapter_params": {
-            "paths": list(p.kv_store_paths),
-            "capacity_bytes": p.kv_store_capacity_bytes,
-            "ring_bytes": min(p.kv_ring_bytes, 256 << 20),
-            "io_threads": p.kv_io_threads,
-        },
+        "adapter_params": params,
     }
 
 
@@ -188,22 +198,6 @@ _INPROCESS_SETUPS = (
     ("lmcache-cpu", "KV offloaded to DRAM", _cpu_env),
     ("lmcache-disk", "local disk backend (non-GDS) under a DRAM buffer", _disk_env),
 )
-for _name, _what, _env in _INPROCESS_SETUPS:
-    register(GuardedSetup(
-        name=_name,
-        description=f"LMCache in-process (LMCacheConnectorV1), {_what}; "
-        "on the CPU engine it refuses to start: LMCache has no CPU path there",
-        devices=("cpu", "cuda"),
-        kv_transfer=_inprocess_kv,
-        extra_env=_env,
-    ))
-register(Setup(
-    name="lmcache-gds",
-    description="LMCache in-process with its GDS backend (cuFile straight into GPU memory); needs CUDA",
-    devices=("cuda",),
-    kv_transfer=_inprocess_kv,
-    extra_env=_gds_env,
-))
 # MP mode: (name, description, the L2 under the L1, cache server outlives engine restarts)
 _MP_SETUPS: tuple[tuple[str, str, Callable[[EngineParams], dict[str, Any] | None], bool], ...] = (
     ("lmcache-mp", "LMCache MP cache server, L1 in DRAM with the retain policy; restarts with the engine",
@@ -215,20 +209,39 @@ _MP_SETUPS: tuple[tuple[str, str, Callable[[EngineParams], dict[str, Any] | None
      "lmcache-mp+kvlab with the cache server in its own service: it outlives engine restarts",
      kvlab_l2_spec, True),
 )
-for _name, _description, _l2, _survives in _MP_SETUPS:
-    register(Setup(
-        name=_name,
-        description=_description,
-        devices=("cpu", "cuda"),
-        kv_transfer=_mp_kv,
-        companion=lambda p, l2=_l2: cache_server(p, l2(p)),
-        companion_survives_engine_restart=_survives,
-    ))
-
-LMCACHE_SETUPS = (
-    "lmcache-cpu", "lmcache-disk", "lmcache-gds", "lmcache-mp", "lmcache-mp+fs",
-    "lmcache-mp+kvlab", "lmcache-mp+kvlab-detached",
+# What kvlab.setups declares under this module's path, in its order.
+SETUPS: tuple[Setup, ...] = (
+    *(
+        GuardedSetup(
+            name=name,
+            description=f"LMCache in-process (LMCacheConnectorV1), {what}; "
+            "on the CPU engine it refuses to start: LMCache has no CPU path there",
+            devices=("cpu", "cuda"),
+            kv_transfer=_inprocess_kv,
+            extra_env=env,
+        )
+        for name, what, env in _INPROCESS_SETUPS
+    ),
+    Setup(
+        name="lmcache-gds",
+        description="LMCache in-process with its GDS backend (cuFile straight into GPU memory); needs CUDA",
+        devices=("cuda",),
+        kv_transfer=_inprocess_kv,
+        extra_env=_gds_env,
+    ),
+    *(
+        Setup(
+            name=name,
+            description=description,
+            devices=("cpu", "cuda"),
+            kv_transfer=_mp_kv,
+            companion=lambda p, l2=l2: cache_server(p, l2(p)),
+            companion_survives_engine_restart=survives,
+        )
+        for name, description, l2, survives in _MP_SETUPS
+    ),
 )
+LMCACHE_SETUPS = tuple(s.name for s in SETUPS)
 # What the embedded default (vLLM CPU engine) can measure: the in-process setups are
 # registered for CPU so that a campaign asking for them fails loudly, not silently.
 CPU_MEASURABLE = ("lmcache-mp", "lmcache-mp+fs", "lmcache-mp+kvlab", "lmcache-mp+kvlab-detached")

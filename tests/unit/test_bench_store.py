@@ -34,3 +34,30 @@ def test_ratios_pair_the_store_with_fios_best_job_of_the_same_repeat(tmp_path: P
     assert prov["git"]["commit"] and prov["versions"]["kvlab-connector"] and prov["host"]["cpu_count"]
     assert prov["filesystem"]["fstype"], "the filesystem measured on is named"
     assert res["fio_jobs"]["write-4M"]["direct"] == 1 and res["fio_jobs"]["read-1M"]["iodepth"] == 32
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "lots"])
+def test_a_size_that_is_no_size_is_refused_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str,
+) -> None:
+    from kvlab.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "store", "--size-mib", value, "--workdir", str(tmp_path / "w")])
+    assert e.value.code == 2
+    assert f"argument --size-mib: must be a positive integer, got {value!r}" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists(), "nothing ran"
+
+
+def test_a_size_the_workdir_cannot_hold_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import shutil
+
+    from kvlab.cli import main
+
+    absurd = (shutil.disk_usage(tmp_path).free >> 20) + (1 << 20)  # a TiB more than is free
+    assert main(["bench", "store", "--size-mib", str(absurd), "--workdir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvlab: --size-mib {absurd}: {tmp_path} has ") and "\n" not in err
+    assert not (tmp_path / "w").exists(), "nothing ran"

@@ -118,3 +118,84 @@ def test_an_engine_on_the_network_runs_without_dev_mode(host: str) -> None:
     """vLLM's API key guards only /v1 routes: dev mode there would open /collective_rpc to anyone."""
     d = setups.render("kvlab", params(host=host))
     assert "VLLM_SERVER_DEV_MODE" not in d.engine.env and not d.serves_dev_routes
+
+
+# ---- the connector owns its defaults: the registry sends only what was set ---------------
+def kvlab_extra(p: setups.EngineParams) -> dict:
+    kv = kv_config(setups.render("kvlab", p))
+    assert kv is not None
+    return kv["kv_connector_extra_config"]
+
+
+def test_a_deployment_that_sets_no_connector_setting_sends_none() -> None:
+    """EngineParams used to restate five connector defaults and always send them, so the
+    connector's own (io_threads: 8 per drive) never applied."""
+    from kvlab_connector.config import CAPACITY_BYTES, RING_BYTES, ConnectorConfig
+
+    extra = kvlab_extra(params())
+    assert extra == {"paths": ["/mnt/a", "/mnt/b"]}
+    config = ConnectorConfig.from_extra(extra)
+    assert config == ConnectorConfig(paths=("/mnt/a", "/mnt/b"))
+    assert (config.capacity_bytes, config.ring_bytes, config.io_threads) == (CAPACITY_BYTES, RING_BYTES, None)
+
+
+SET_VALUES = {"kv_store_capacity_bytes": 1 << 40, "kv_ring_bytes": 1 << 30, "kv_chunk_tokens": 256,
+              "kv_io_threads": 5, "kv_load_timeout_s": 2.5, "kv_metrics_port": 9100}
+
+
+@pytest.mark.parametrize("field", sorted(setups.CONNECTOR_KEYS))
+def test_a_connector_setting_is_sent_under_the_connectors_key(field: str) -> None:
+    from kvlab_connector.config import ConnectorConfig
+
+    key = setups.CONNECTOR_KEYS[field]
+    extra = kvlab_extra(params(**{field: SET_VALUES[field]}))
+    assert extra == {"paths": ["/mnt/a", "/mnt/b"], key: SET_VALUES[field]}
+    assert getattr(ConnectorConfig.from_extra(extra), key) == SET_VALUES[field]
+
+
+def test_every_connector_setting_of_the_registry_is_a_connector_key() -> None:
+    import dataclasses
+
+    from kvlab_connector.config import ConnectorConfig
+
+    kv_fields = {f.name for f in dataclasses.fields(setups.EngineParams) if f.name.startswith("kv_")}
+    assert kv_fields - {"kv_store_paths"} == set(setups.CONNECTOR_KEYS) == set(SET_VALUES)
+    assert set(setups.CONNECTOR_KEYS.values()) <= {f.name for f in dataclasses.fields(ConnectorConfig)}
+
+
+def test_the_l2_under_lmcache_gets_only_what_was_set() -> None:
+    from kvlab.setups_lmcache import kvlab_l2_spec
+    from kvlab_connector.config import CAPACITY_BYTES
+    from kvlab_connector.lmcache_l2 import KvlabL2AdapterConfig
+
+    spec = kvlab_l2_spec(params())["adapter_params"]
+    assert spec == {"paths": ["/mnt/a", "/mnt/b"]}
+    assert KvlabL2AdapterConfig.from_dict(spec).capacity_bytes == CAPACITY_BYTES
+    spec = kvlab_l2_spec(params(kv_store_capacity_bytes=1 << 40, kv_ring_bytes=10 << 30, kv_io_threads=4))
+    assert spec["adapter_params"] == {"paths": ["/mnt/a", "/mnt/b"], "capacity_bytes": 1 << 40,
+                                      "ring_bytes": 256 << 20, "io_threads": 4}
+
+
+@pytest.mark.parametrize("group", ["h200", "h20"])
+def test_the_lab_leaves_io_threads_to_the_connector(group: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The lab inventories hand-wrote io_threads: 32 for 4 drives (8 per drive, restated)."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvlab_connector.config import ConnectorConfig
+    from kvlab_connector.store import Store
+
+    root = Path(__file__).resolve().parents[2]
+    values = yaml.safe_load((root / f"inventories/lab/group_vars/{group}/main.yml").read_text())
+    drives = tuple(str(tmp_path / f"nvmeof{i}") for i in range(4))
+    mapping = {"model": "/m", "device": "cuda", "kv_store_paths": drives} | values["vllm_server_engine_params"]
+    extra = kvlab_extra(params_from_mapping(mapping))
+    assert "io_threads" not in extra
+    config = ConnectorConfig.from_extra(extra)
+    # the store the connector starts from this config (vllm_connector.py), on 4 drives
+    store = Store(config.paths, 1 << 30, config.io_threads, config.o_direct_flag())
+    try:
+        assert store.engine.threads == 32
+    finally:
+        store.close()

@@ -75,7 +75,7 @@ def test_saved_chunks_load_back_into_other_blocks(tmp_path: Path) -> None:
 @pytest.mark.parametrize("targets", [[10, 11, 12, 13], [13, 12, 11, 10], [14, 4, 5, 9]])
 def test_loads_land_in_any_block_order(tmp_path: Path, targets: list[int]) -> None:
     w, kv = worker(tmp_path)
-    assert w._direct_copy, "CPU KV blocks contiguous along dim 0 take the memmove path"
+    assert w.transfers is not None and w.transfers.cache.direct_copy, "CPU KV blocks contiguous along dim 0 take the memmove path"
     save(w, kv, [ChunkIO("a" * 32, [2, 3]), ChunkIO("b" * 32, [7, 5])])
     before = {n: t.clone() for n, t in kv.items()}
     for t in kv.values():
@@ -93,7 +93,7 @@ def test_blocks_interleaved_across_layers_load_in_place(tmp_path: Path) -> None:
     kv = {f"layers.{i}.attn": backing[:, i] for i in range(LAYERS)}
     w, _ = worker(tmp_path)
     w.register_kv_caches(kv, BLOCKS)
-    assert w._direct_copy
+    assert w.transfers is not None and w.transfers.cache.direct_copy
     save(w, kv, [ChunkIO("a" * 32, [2, 3])])
     saved = backing[[2, 3]].clone()
     backing.zero_()

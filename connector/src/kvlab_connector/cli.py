@@ -9,18 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvlab_connector.bench import clear, run_store
-from kvlab_connector.config import is_positive_int
-
-
-def positive_int(text: str) -> int:
-    """argparse's type for a count or a size: it names the flag when the value is none."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if not is_positive_int(value):
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value  # type: ignore[return-value]
+from kvlab_connector.config import positive_int
 
 
 def main(argv: list[str] | None = None) -> int:

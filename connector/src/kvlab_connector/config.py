@@ -5,6 +5,7 @@ A wrong key or value stops the engine with one line that names the field and the
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -13,18 +14,36 @@ class ConfigError(ValueError):
     pass
 
 
+# The store's defaults, owned here: kvlab's registry sends a setting only where a user or a
+# campaign set one, and the LMCache L2 adapter over the same store bounds it alike.
+CAPACITY_BYTES = 64 << 30
+RING_BYTES = 256 << 20
+
+
 def is_positive_int(v: Any) -> bool:
     """An int above zero (a JSON `true` is not a count)."""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
+def positive_int(text: str) -> int:
+    """argparse's type for a count or a size: it names the flag when the value is none."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if not is_positive_int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value  # type: ignore[return-value]
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     paths: tuple[str, ...]
-    capacity_bytes: int = 64 << 30
-    ring_bytes: int = 256 << 20
+    capacity_bytes: int = CAPACITY_BYTES
+    ring_bytes: int = RING_BYTES
     chunk_tokens: int = 512
-    io_threads: int | None = None  # None: 8 per drive (store.IO_THREADS_PER_DRIVE)
+    # Requests in flight over all drives; None: 8 per drive (store.IO_THREADS_PER_DRIVE).
+    io_threads: int | None = None
     load_timeout_s: float = 30.0
     # How long a save may wait for a ring slot before it is dropped: 0 means never wait,
     # so generation never waits on the drives.

@@ -26,9 +26,7 @@ and completion is signalled through three event fds as the interface requires.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,107 +37,15 @@ from typing import Any
 import numpy as np
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
-from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvlab_connector.config import is_positive_int
+from kvlab_connector.lmcache_l2_config import KvlabL2AdapterConfig
+from kvlab_connector.lmcache_l2_keys import namespace_of, shape_for, store_key
 from kvlab_connector.ring import PAGE, RingFull, StagingRing, align_up
 from kvlab_connector.store import ObjectShape, Store
 
-KEY_SCHEME = b"kvlab-lmcache-l2-v1"
-
-
-class KvlabL2AdapterConfig(L2AdapterConfigBase):
-    """adapter_params of the plugin spec (LMCache finds this class by its name)."""
-
-    def __init__(
-        self,
-        paths: list[str],
-        capacity_bytes: int,
-        ring_bytes: int = 64 << 20,
-        section_bytes: int = 1 << 20,
-        io_threads: int | None = None,
-        o_direct: bool | None = None,
-        slot_timeout_s: float = 30.0,
-    ):
-        self.paths = paths
-        self.capacity_bytes = capacity_bytes
-        self.ring_bytes = ring_bytes
-        self.section_bytes = section_bytes
-        self.io_threads = io_threads
-        self.o_direct = o_direct
-        self.slot_timeout_s = slot_timeout_s
-
-    @classmethod
-    def from_dict(cls, d: dict) -> KvlabL2AdapterConfig:
-        paths = d.get("paths")
-        if isinstance(paths, str):
-            paths = [paths]
-        if not paths or not all(isinstance(p, str) and p for p in paths):
-            raise ValueError("kvlab L2 adapter: 'paths' must list one directory per drive")
-        if "capacity_bytes" in d:
-            capacity = int(d["capacity_bytes"])
-        elif "capacity_gb" in d:
-            capacity = int(float(d["capacity_gb"]) * (1 << 30))
-        else:
-            raise ValueError("kvlab L2 adapter: give 'capacity_bytes' (or 'capacity_gb'): the store is bounded")
-        if capacity <= 0:
-            raise ValueError(f"kvlab L2 adapter: capacity must be positive, got {capacity}")
-        section = int(d.get("section_bytes", 1 << 20))
-        ring = int(d.get("ring_bytes", 64 << 20))
-        if section <= 0 or section % PAGE:
-            raise ValueError(f"kvlab L2 adapter: 'section_bytes' must be a positive multiple of {PAGE}")
-        if ring < section + PAGE:
-            raise ValueError(
-                f"kvlab L2 adapter: 'ring_bytes' {ring} holds no slot of {section + PAGE} bytes: raise it"
-            )
-        o_direct = d.get("o_direct")
-        if o_direct is not None and not isinstance(o_direct, bool):
-            raise ValueError("kvlab L2 adapter: 'o_direct' must be true, false or absent (auto)")
-        return cls(
-            paths=list(paths), capacity_bytes=capacity, ring_bytes=ring, section_bytes=section,
-            io_threads=_positive_int_or_none(d, "io_threads"), o_direct=o_direct,
-            slot_timeout_s=float(d.get("slot_timeout_s", 30.0)),
-        )
-
-    @classmethod
-    def help(cls) -> str:
-        return (
-            "kvlab L2 adapter (kvlab's on-drive store) config fields:\n"
-            "- paths (list[str]): one directory per drive (required)\n"
-            "- capacity_bytes (int) or capacity_gb (float): the store's bound; LRU eviction (required)\n"
-            "- ring_bytes (int): host staging ring, the only host memory KV passes through (64 MiB)\n"
-            "- section_bytes (int): I/O size an object is cut into (1 MiB, a multiple of 4096)\n"
-            "- io_threads (int): I/Os in flight over all drives (8 per drive)\n"
-            "- o_direct (bool): force O_DIRECT on or off (default: where the filesystem supports it)"
-        )
-
-
-def _positive_int_or_none(d: dict, name: str) -> int | None:
-    v = d.get(name)
-    if v is not None and not is_positive_int(v):
-        raise ValueError(f"kvlab L2 adapter: '{name}' must be a positive integer or absent, got {v!r}")
-    return v
-
-
-def store_key(key: Any) -> str:
-    """The store key of an LMCache ObjectKey: deterministic across processes and restarts."""
-    h = hashlib.blake2b(digest_size=16, person=b"kvlab-lmc-key")
-    for part in (key.model_name.encode(), key.cache_salt.encode(), bytes(key.chunk_hash)):
-        h.update(struct.pack("<I", len(part)))
-        h.update(part)
-    h.update(struct.pack("<QQ", key.kv_rank & (2**64 - 1), key.object_group_id))
-    return h.hexdigest()
-
-
-def namespace_of(model_name: str) -> str:
-    return hashlib.blake2b(KEY_SCHEME + b"\0" + model_name.encode(), digest_size=16,
-                           person=b"kvlab-lmc-ns").hexdigest()
-
-
-def shape_for(nbytes: int, section_bytes: int) -> ObjectShape:
-    n = max(1, -(-nbytes // section_bytes))
-    return ObjectShape(n_sections=n, section_bytes=max(1, -(-nbytes // n)))
+# LMCache finds the config class by its name in this module (class_name + "Config").
+__all__ = ["KvlabL2Adapter", "KvlabL2AdapterConfig", "namespace_of", "shape_for", "store_key"]
 
 
 @dataclass

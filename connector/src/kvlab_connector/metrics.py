@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvlab_connector.counters import COUNTERS
+
 _lock = threading.Lock()
 _metrics: dict[str, Any] | None = None
 _served_ports: set[int] = set()
@@ -26,16 +28,8 @@ def metrics() -> dict[str, Any] | None:
             from prometheus_client import Counter, Gauge, Histogram
         except ImportError:
             return None
-        _metrics = {
-            "hit_tokens": Counter("kvlab_hit_tokens", "prompt tokens found on the drives at lookup"),
-            "miss_tokens": Counter("kvlab_miss_tokens", "prompt tokens not found on the drives at lookup"),
-            "bytes_read": Counter("kvlab_read_bytes", "bytes read from the drives"),
-            "bytes_written": Counter("kvlab_written_bytes", "bytes written to the drives"),
-            "saves_dropped": Counter("kvlab_saves_dropped", "chunks not saved: ring or drives saturated"),
-            "load_errors": Counter("kvlab_load_error_blocks", "blocks reported to vLLM for recompute"),
-            "checksum_failures": Counter("kvlab_checksum_failures", "sections that failed verification"),
-            "evictions": Counter("kvlab_evictions", "objects evicted to hold the capacity"),
-            "out_of_space": Counter("kvlab_out_of_space", "drives found full below the capacity bound"),
+        _metrics = {c.name: Counter(c.prometheus, c.help) for c in COUNTERS if c.prometheus}
+        _metrics |= {
             "io_latency": Histogram(
                 "kvlab_io_latency_seconds", "latency of one section's I/O",
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),

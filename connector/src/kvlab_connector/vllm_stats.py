@@ -7,8 +7,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-COUNTERS = ("bytes_read", "bytes_written", "read_s", "write_s", "objects_written", "checksum_failures",
-            "sections_failed", "saves_dropped", "load_error_blocks", "evictions", "out_of_space")
+from kvlab_connector.counters import WORKER_REPORTED as COUNTERS
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""Every counter of the connector, declared once.
+
+A counter's `name` is its key everywhere: the store's stats (StoreStats) or the worker's
+attribute, the worker's counters() and stats(), and vLLM's connector stats (vllm_stats.py).
+`prometheus` is the name the metrics port serves it under (metrics.py), where it is served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Counter:
+    name: str
+    help: str
+    # Who counts it: "store" (StoreStats.<name>), "worker" (WorkerSide.<name>), or
+    # "scheduler" (the lookup, in the scheduler's process: Prometheus only).
+    source: str
+    prometheus: str | None = None
+
+
+COUNTERS: tuple[Counter, ...] = (
+    Counter("hit_tokens", "prompt tokens found on the drives at lookup", "scheduler", "kvlab_hit_tokens"),
+    Counter(
+        "miss_tokens", "prompt tokens not found on the drives at lookup", "scheduler", "kvlab_miss_tokens"
+    ),
+    Counter("bytes_read", "bytes read from the drives", "store", "kvlab_read_bytes"),
+    Counter("bytes_written", "bytes written to the drives", "store", "kvlab_written_bytes"),
+    Counter("read_s", "seconds of section reads", "store"),
+    Counter("write_s", "seconds of section writes", "store"),
+    Counter("objects_written", "objects committed", "store"),
+    Counter("missing", "objects looked for and not on the drives", "store"),
+    Counter("checksum_failures", "sections that failed verification", "store", "kvlab_checksum_failures"),
+    Counter("sections_failed", "sections whose read failed", "store"),
+    Counter("writes_aborted", "objects given up before they committed", "store"),
+    Counter("evictions", "objects evicted to hold the capacity", "store", "kvlab_evictions"),
+    Counter("evicted_bytes", "bytes evicted to hold the capacity", "store"),
+    Counter("out_of_space", "drives found full below the capacity bound", "store", "kvlab_out_of_space"),
+    Counter("saves_dropped", "objects not saved: ring or drives saturated", "worker", "kvlab_saves_dropped"),
+    Counter(
+        "load_error_blocks", "blocks reported to vLLM for recompute", "worker", "kvlab_load_error_blocks"
+    ),
+)
+BY_NAME = {c.name: c for c in COUNTERS}
+# What a worker reports each interval (vLLM's connector stats, campaign records).
+WORKER_REPORTED = tuple(c.name for c in COUNTERS if c.source != "scheduler")

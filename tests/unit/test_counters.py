@@ -1,0 +1,92 @@
+"""Each counter's name is declared once (kvlab_connector/counters.py) and read by every
+exporter: the worker's counters() and stats(), vLLM's connector stats and Prometheus. The
+worker counted Prometheus' `load_errors` under the one name and reported `load_error_blocks`
+under the other; `missing`, `evicted_bytes` and `writes_aborted` were counted, never exported."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab_connector.counters import BY_NAME, COUNTERS, WORKER_REPORTED
+
+SRC = Path(__file__).resolve().parents[2] / "connector" / "src" / "kvlab_connector"
+
+
+def incremented_names() -> list[tuple[str, str]]:
+    """(file, name) of every metrics.inc("name", ...) in the connector."""
+    out = []
+    for path in sorted(SRC.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "inc"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "metrics"
+            ):
+                arg = node.args[0]
+                out.append((path.name, arg.value if isinstance(arg, ast.Constant) else ast.dump(arg)))
+    return out
+
+
+def test_each_name_is_declared_once() -> None:
+    names = [c.name for c in COUNTERS]
+    assert len(names) == len(set(names))
+    prom = [c.prometheus for c in COUNTERS if c.prometheus]
+    assert len(prom) == len(set(prom))
+
+
+@pytest.mark.parametrize(("where", "name"), incremented_names())
+def test_every_prometheus_increment_names_a_declared_counter(where: str, name: str) -> None:
+    assert name in BY_NAME and BY_NAME[name].prometheus, f"{where}: metrics.inc({name!r}) declares nothing"
+
+
+def test_prometheus_serves_every_declared_counter_by_its_name() -> None:
+    from kvlab_connector import metrics
+
+    m = metrics.metrics()
+    assert m is not None
+    for c in COUNTERS:
+        if c.prometheus:
+            assert m[c.name]._name == c.prometheus
+
+
+def test_store_counters_are_the_stores_fields() -> None:
+    import dataclasses
+
+    from kvlab_connector.store_stats import StoreStats
+
+    fields = {f.name for f in dataclasses.fields(StoreStats)}
+    assert {c.name for c in COUNTERS if c.source == "store"} <= fields
+
+
+def test_the_worker_reports_every_declared_counter(tmp_path: Path) -> None:
+    from test_worker import worker
+
+    w, _ = worker(tmp_path)
+    try:
+        assert tuple(w.counters()) == WORKER_REPORTED
+        assert set(WORKER_REPORTED) <= set(w.stats())
+        assert {"missing", "evicted_bytes", "writes_aborted", "load_error_blocks"} <= set(WORKER_REPORTED)
+    finally:
+        w.store.close()
+
+
+def test_vllms_connector_stats_carry_every_reported_counter() -> None:
+    # In a fresh interpreter: vLLM's import of torch._dynamo fails in a process where
+    # Ansible (other unit tests) has patched sys.intern.
+    code = (
+        "from kvlab_connector.counters import WORKER_REPORTED\n"
+        "from kvlab_connector.vllm_stats import COUNTERS, KvlabStats, delta\n"
+        "assert tuple(COUNTERS) == WORKER_REPORTED, COUNTERS\n"
+        "stats = KvlabStats(data=delta({'missing': 3, 'load_error_blocks': 2}, {}))\n"
+        "r = stats.reduce()\n"
+        "assert r['missing'] == 3 and r['load_error_blocks'] == 2, r\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
