@@ -85,3 +85,14 @@ def test_rm_and_the_projects_containers_conf():
     conf.read_string(container.CONTAINERS_CONF.read_text())
     assert conf["containers"]["default_ulimits"] == "[]"
     assert conf["engine"]["runtime"] == '"runc"'
+
+
+def test_engine_container_refuses_an_endpoint_and_a_plan_loads_no_image():
+    import argparse
+
+    from kvlab.cli import UserError
+    from kvlab.harness import cli
+
+    with pytest.raises(UserError, match="--endpoint is for --engine systemd"):
+        cli._engines(argparse.Namespace(engine="container", endpoint="http://127.0.0.1:8000", dry_run=False))
+    assert cli._engines(argparse.Namespace(engine="container", endpoint=None, dry_run=True)) is None

