@@ -26,13 +26,13 @@ def test_verity_partition_uuids_are_the_roothash_halves():
 
 
 def test_the_disk_definitions_copy_the_split_root_under_those_uuids():
-    split = {"root": "/w/root.raw", "root-verity": "/w/verity.raw"}
+    split = {"root": "/w/root.raw", "root-verity": "/w/verity.raw", "seed": "/w/seed.ext4"}
     defs = target_disk.stage2_definitions(ROOTHASH, split, 96, 32)
     assert "UUID=80b64b92-2e75-ef9b-cb5a-baedc938844a\nCopyBlocks=/w/root.raw" in defs["10-root.conf"]
     assert (
         "UUID=9d06893b-1723-6d56-34b5-9eb81962b9f6\nCopyBlocks=/w/verity.raw" in defs["20-root-verity.conf"]
     )
-    assert f"Label={target_disk.SEED_LABEL}\nFormat=ext4" in defs["30-seed.conf"]
+    assert f"Label={target_disk.SEED_LABEL}\nCopyBlocks=/w/seed.ext4" in defs["30-seed.conf"]
     assert "Type=esp" in defs["00-esp.conf"] and "CopyFiles=/EFI:/EFI" in defs["00-esp.conf"]
 
 

@@ -192,6 +192,14 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
         if res.returncode:
             raise ImageError(f"ukify failed: {res.stderr.strip()[-800:]}")
         _clamp_times(work / "esp", spec.source_date_epoch)
+        split["seed"] = f"{w}/seed.ext4"
+        seed_mib = int(raw["seed_partition_mib"])
+        res = subprocess.run(
+            [*chroot, *target_disk.seed_filesystem_command(split["seed"], raw["repart_seed"], seed_mib)],
+            env=env, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if res.returncode:
+            raise ImageError(f"mke2fs of the seed partition failed: {res.stderr.strip()[-800:]}")
         log("disk 2/2: ESP + root + verity + seed (systemd-repart)")
         target_disk.write_definitions(
             work / "repart-disk",

@@ -45,9 +45,21 @@ def stage2_definitions(roothash: str, split: dict[str, str], esp_mib: int, seed_
         "10-root.conf": f"[Partition]\nType=root\nLabel=kvlab-root\nUUID={data_uuid}\nCopyBlocks={split['root']}\n",
         "20-root-verity.conf": f"[Partition]\nType=root-verity\nLabel=kvlab-root-verity\nUUID={hash_uuid}\n"
         f"CopyBlocks={split['root-verity']}\n",
-        "30-seed.conf": f"[Partition]\nType=linux-generic\nLabel={SEED_LABEL}\nFormat=ext4\n"
+        # repart's own ext4 has a random directory-hash seed: the seed filesystem is made by
+        # seed_filesystem_command (fixed UUID, hash seed and clock) and copied block for block
+        "30-seed.conf": f"[Partition]\nType=linux-generic\nLabel={SEED_LABEL}\nCopyBlocks={split['seed']}\n"
         f"SizeMinBytes={seed_mib}M\nSizeMaxBytes={seed_mib}M\n",
     }
+
+
+def seed_filesystem_command(path: str, repart_seed: str, seed_mib: int) -> list[str]:
+    """mke2fs for the empty seed partition, every random field fixed (UUIDs from the repart seed;
+    the clock from E2FSPROGS_FAKE_TIME in the environment)."""
+    base = uuid.UUID(repart_seed)
+    fs_uuid, hash_seed = uuid.uuid5(base, "kvlab-seed"), uuid.uuid5(base, "kvlab-seed-hash")
+    return ["mke2fs", "-q", "-F", "-t", "ext4", "-L", SEED_LABEL, "-U", str(fs_uuid),
+            "-E", f"hash_seed={hash_seed},lazy_itable_init=0,lazy_journal_init=0,root_owner=0:0",
+            path, f"{seed_mib}M"]  # fmt: skip
 
 
 def write_definitions(folder: Path, defs: dict[str, str]) -> None:
