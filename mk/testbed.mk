@@ -1,5 +1,5 @@
 # The VM testbed: two qemu VMs (storage target + node) provisioned by the same roles as the lab.
-.PHONY: testbed testbed-down testbed-status test-testbed
+.PHONY: testbed testbed-down testbed-status test-testbed test-appliance
 
 transport ?= rdma
 
@@ -13,4 +13,7 @@ testbed-status: setup ## the testbed VMs and the node's NVMe-oF controllers (JSO
 	$(KVLAB) testbed status --json
 
 test-testbed: setup ## testbed tier alone: VMs + site.yml x3 (apply, again, --check) + verify + faults (~20 min; image cached by inputs)
-	$(PYTEST) tests/testbed -m testbed
+	$(PYTEST) tests/testbed -m "testbed and not appliance"
+
+test-appliance: setup ## the target appliance in the testbed: its image, three TCG boots, the node over RDMA, broken seeds (~10 min; not yet in make test)
+	$(PYTEST) tests/testbed -m appliance
