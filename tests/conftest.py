@@ -11,10 +11,12 @@ TIERS = ("unit", "engine", "testbed", "infra", "lab")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+# tryfirst: the markers must be on the items before `-m` deselects by them
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(Path(__file__).parent).parts
-        if parts and parts[0] in TIERS and not any(item.iter_markers(name=t) for t in TIERS):
+        if parts and parts[0] in TIERS and not any(item.get_closest_marker(t) for t in TIERS):
             item.add_marker(getattr(pytest.mark, parts[0]))
 
 
