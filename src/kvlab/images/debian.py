@@ -485,6 +485,7 @@ def repin(defn: Definition, log: Log, *, variant: str = "apt") -> Path:
     """Re-resolve packages.lock from the mirror for the top-level packages: each installed
     package's version and its .deb's sha256, the .debs kept in the cache. `variant` is the one
     the builder's rootfs() uses (an appliance without apt: "essential")."""
+    paths.cache_dir().mkdir(parents=True, exist_ok=True)  # a fresh KVLAB_CACHE has no folder yet
     work = Path(tempfile.mkdtemp(prefix=".repin-", dir=paths.cache_dir()))
     try:
         keyring = pinned_keyring(defn, work)
