@@ -82,7 +82,9 @@ def _clamp_times(root: Path, epoch: int) -> None:
 
 
 def repin(flavor: str, log: Callable[[str], None]) -> Path:
-    """Re-pin the appliance's lock (essential variant: the appliance has no apt)."""
+    """Re-pin the appliance's lock (essential variant: the appliance has no apt) and the lock of
+    the tools tree that builds it, which has no image name of its own."""
+    target_tools.repin(log)
     return debian.repin(debian.Definition.load(definition_root(), with_lock=False), log, variant=VARIANT)
 
 
