@@ -180,6 +180,14 @@ def test_the_seed_is_exported_at_boot_without_ansible(target):
     assert target.succeed(f"ls {base}/ports/1/subsystems").split() == [STORE_NQN]
 
 
+def test_no_unit_failed_at_boot(target):
+    """A unit that fails on every boot (efi.automount did: the ESP that the UKI's stub reports)
+    hides a real failure among expected ones."""
+    target.wait_for_unit("kvlab-nvmet-export.service", timeout=300)
+    failed = target.succeed("systemctl list-units --failed --plain --no-legend --no-pager").strip()
+    assert failed == "", failed
+
+
 def test_the_root_is_verified_and_cannot_be_written(target):
     assert target.succeed("findmnt -no FSTYPE,SOURCE /").split() == ["erofs", "/dev/mapper/root"]
     assert "verified" in target.succeed("veritysetup status root 2>/dev/null || dmsetup status root")
