@@ -4,8 +4,10 @@
 systemctl enable systemd-networkd.service kvlab-seed-validate.service kvlab-nvmet-export.service \
     kvlab-seed-ssh.service
 systemctl disable ssh.service
+# efi.automount: systemd-gpt-auto-generator makes it for the ESP that the UKI's stub reports, and
+# it fails at boot (nothing on the appliance reads the ESP once booted)
 systemctl mask e2scrub_reap.service e2scrub_all.timer fstrim.timer serial-getty@ttyS0.service \
-    getty@tty1.service systemd-firstboot.service
+    getty@tty1.service systemd-firstboot.service efi.automount
 passwd --lock root
 rm -f /etc/resolv.conf
 # The initrd: dracut's systemd initrd with systemd-veritysetup (initramfs-tools cannot open a

@@ -75,6 +75,18 @@ def test_local_repository_indexes_each_deb_by_its_hash(tmp_path):
         assert f"Filename: ./{deb.name}" in stanza and f"Size: {deb.stat().st_size}" in stanza
         assert (repo / deb.name).read_bytes() == deb.read_bytes()
     assert debian.deb_fields(debs["kvlab-b"], "Package", "Version") == ["kvlab-b", "2:0.1-1"]
+    assert not (repo / "Release").exists()
+
+
+def test_local_repository_names_its_suite_for_the_essential_variant(tmp_path):
+    """mmdebstrap --variant=essential picks the Essential set by ?archive(^SUITE$): a repository
+    without a Release naming the suite gives it none ("Could not exec dpkg!")."""
+    deb = _deb(tmp_path, "kvlab-a", "1.0")
+    repo = debian.local_repo({"kvlab-a": deb}, tmp_path / "repo", "trixie")
+    release = (repo / "Release").read_text()
+    assert "Suite: trixie\nCodename: trixie\n" in release
+    index = repo / "Packages"
+    assert f" {sha256_file(index)} {index.stat().st_size} Packages\n" in release
 
 
 STATUS = """Package: bash

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import yaml
@@ -321,8 +321,11 @@ def ensure_debs(defn: Definition, work: Path, log: Log) -> dict[str, Path]:
     return have
 
 
-def local_repo(debs: dict[str, Path], repo: Path) -> Path:
-    """A flat apt repository (Packages index written here) holding exactly these files."""
+def local_repo(debs: dict[str, Path], repo: Path, suite: str = "") -> Path:
+    """A flat apt repository (Packages index written here) holding exactly these files. With
+    `suite`, a Release file names it that suite: mmdebstrap picks a non-apt variant's Essential
+    set with `?narrow(?or(?archive(^SUITE$),?codename(^SUITE$)),...)`, which matches nothing in
+    a repository without one."""
     repo.mkdir(parents=True)
     stanzas = []
     for _name, src in sorted(debs.items()):
@@ -337,7 +340,13 @@ def local_repo(debs: dict[str, Path], repo: Path) -> Path:
         stanzas.append(
             f"{control}\nFilename: ./{dest.name}\nSize: {dest.stat().st_size}\nSHA256: {src.stem}\n"
         )
-    (repo / "Packages").write_text("\n".join(stanzas))
+    index = repo / "Packages"
+    index.write_text("\n".join(stanzas))
+    if suite:
+        # unsigned ([trusted=yes]), but apt still checks the index against the Release's hash
+        (repo / "Release").write_text(
+            f"Suite: {suite}\nCodename: {suite}\nSHA256:\n {sha256_file(index)} {index.stat().st_size} Packages\n"
+        )
     return repo
 
 
@@ -404,6 +413,7 @@ def rootfs(
     *,
     fmt: str = "directory",
     hooks: Sequence[str] = (),
+    customize_env: Mapping[str, str] | None = None,
     variant: str = "apt",
     dpkg_opts: Sequence[str] = (
         "path-exclude=/usr/share/doc/*",
@@ -416,7 +426,8 @@ def rootfs(
 
     fmt "directory" gives work/rootfs/; "tar" gives work/rootfs.tar, mmdebstrap's tar (entries
     sorted, times clamped to SOURCE_DATE_EPOCH). `hooks` are more mmdebstrap customize hooks, run
-    after the overlay and customize.sh and before the tree is normalised."""
+    after the overlay and customize.sh and before the tree is normalised; `customize_env` is
+    what customize.sh is given from the builder (facts of the lock or image.yml it needs)."""
     if not defn.lock:
         raise ImageError(f"{defn.root / LOCK_FILE} is empty; pin with:\n  {repin_command(defn.root)}")
     if fmt not in ("directory", "tar"):
@@ -425,7 +436,7 @@ def rootfs(
     # [trusted=yes]: this repository is unsigned, and needs no signature: every file in it was
     # checked against packages.lock's sha256 just above (and, when downloaded, by apt against the
     # release's signed indices).
-    repo = local_repo(debs, work / "repo")
+    repo = local_repo(debs, work / "repo", defn.release)
     sources = work / "sources.list"
     sources.write_text("".join(f"{s}\n" for s in defn.sources))
     status = work / "dpkg-status"
@@ -433,7 +444,10 @@ def rootfs(
     if (defn.root / "overlay").is_dir():
         customize.append(f"copy-in {overlay_copy(defn.root / 'overlay', work / 'overlay')}/. /")
     if (defn.root / "customize.sh").exists():
-        customize.append(f'chroot "$1" /bin/sh -eu < {shlex.quote(str(defn.root / "customize.sh"))}')
+        env_args = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted((customize_env or {}).items()))
+        customize.append(
+            f'chroot "$1" env {env_args} /bin/sh -eu < {shlex.quote(str(defn.root / "customize.sh"))}'
+        )
     customize += list(hooks)
     customize += [
         # the tree's apt points at the release's mirror, not at this build's local repository
@@ -467,9 +481,11 @@ def rootfs(
     return Tree(out, status, components(defn, status))
 
 
-def repin(defn: Definition, log: Log) -> Path:
+def repin(defn: Definition, log: Log, *, variant: str = "apt") -> Path:
     """Re-resolve packages.lock from the mirror for the top-level packages: each installed
-    package's version and its .deb's sha256, the .debs kept in the cache."""
+    package's version and its .deb's sha256, the .debs kept in the cache. `variant` is the one
+    the builder's rootfs() uses (an appliance without apt: "essential")."""
+    paths.cache_dir().mkdir(parents=True, exist_ok=True)  # a fresh KVLAB_CACHE has no folder yet
     work = Path(tempfile.mkdtemp(prefix=".repin-", dir=paths.cache_dir()))
     try:
         keyring = pinned_keyring(defn, work)
@@ -479,7 +495,7 @@ def repin(defn: Definition, log: Log) -> Path:
         _mmdebstrap(
             defn,
             [
-                "--variant=apt",
+                f"--variant={variant}",
                 f"--keyring={keyring}",
                 "--format=null",
                 "--skip=download/empty",

@@ -1,10 +1,10 @@
 """The storage-target appliance image (images/target): a UEFI disk with a verified read-only root.
 
-rootfs: mmdebstrap (host, root mode) unpacks exactly packages.lock, the overlay and the shared
-applier (roles/nvmeof_target/files/kvlab-nvmet-apply, as /usr/libexec/kvlab/) go in, customize.sh
-enables the boot units and makes the initrd with dracut (a systemd initrd with
-systemd-veritysetup), then the testbed's normalisation removes keys, IDs and logs and every file
-time is clamped to SOURCE_DATE_EPOCH. disk: kvlab.images.target_disk, run in the pinned trixie
+rootfs: kvlab.images.debian installs exactly packages.lock (each .deb checked against its sha256,
+from the hash-keyed cache), the overlay goes in, customize.sh enables the boot units and makes the
+initrd with dracut (a systemd initrd with systemd-veritysetup), the shared applier
+(roles/nvmeof_target/files/kvlab-nvmet-apply, as /usr/libexec/kvlab/) is copied in, the tree is
+normalised (keys, IDs, logs) and every file time is clamped to SOURCE_DATE_EPOCH. disk: kvlab.images.target_disk, run in the pinned trixie
 tools tree (kvlab.images.target_tools). Secure Boot: with KVLAB_SB_KEY and KVLAB_SB_CERT (make
 variables SB_KEY, SB_CERT; files outside the checkout) ukify signs the UKI; the certificate's hash
 enters tools(), so a signed build has its own identity.
@@ -19,12 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvlab import paths
-from kvlab.images import ImageError, target_disk, target_tools
-from kvlab.images.identity import Built, Component, sha256_file
-from kvlab.testbed.image import _normalize, _overlay, unmount_under
+from kvlab.images import ImageError, debian, target_disk, target_tools
+from kvlab.images.identity import Built, sha256_file
 
 FLAVORS = ("",)
 ARTIFACT = "disk.raw"
+# mmdebstrap's variant for the root: the Essential set and the lock, no apt (nothing installs
+# packages on a read-only appliance)
+VARIANT = "essential"
 
 
 def definition_root() -> Path:
@@ -40,9 +42,8 @@ def _shipped_scripts() -> dict[str, Path]:
 
 
 def inputs(flavor: str = "") -> list[Path]:
-    root = definition_root()
     own = sorted(Path(__file__).parent.glob("target*.py"))
-    return [*sorted(p for p in root.rglob("*") if p.is_file()), *_shipped_scripts().values(), *own]
+    return [*debian.inputs(definition_root()), *_shipped_scripts().values(), *own]
 
 
 def _signing() -> tuple[Path, Path] | None:
@@ -63,7 +64,7 @@ def _signing() -> tuple[Path, Path] | None:
 
 
 def tools(flavor: str = "") -> str:
-    out = [target_tools.fingerprint(), target_tools._first_line(["mmdebstrap", "--version"])]
+    out = [target_tools.fingerprint(), debian.tools_fingerprint()]
     signing = _signing()
     if signing:
         out.append(f"secureboot-cert sha256:{sha256_file(signing[1])}")
@@ -80,64 +81,70 @@ def _clamp_times(root: Path, epoch: int) -> None:
     os.utime(root, (epoch, epoch))
 
 
-def _stage_overlay(spec: target_tools.Spec, work: Path) -> Path:
-    """The overlay with git's modes (the testbed's way) and the shipped role scripts (0755)."""
-    staged = _overlay(spec, work)  # type: ignore[arg-type]  # reads .root only
+def repin(flavor: str, log: Callable[[str], None]) -> Path:
+    """Re-pin the appliance's lock (essential variant: the appliance has no apt) and the lock of
+    the tools tree that builds it, which has no image name of its own."""
+    target_tools.repin(log)
+    return debian.repin(debian.Definition.load(definition_root(), with_lock=False), log, variant=VARIANT)
+
+
+def _stage_shipped(work: Path) -> Path:
+    """The shipped role scripts (0755), in a folder that a copy-in hook puts into the tree."""
+    staged = work / "shipped"
     for dest, src in _shipped_scripts().items():
         (staged / dest).parent.mkdir(parents=True, exist_ok=True)
-        os.chmod((staged / dest).parent, 0o755)
         shutil.copyfile(src, staged / dest)
         os.chmod(staged / dest, 0o755)
+    for dirpath, _dirs, _names in os.walk(staged):
+        os.chmod(dirpath, 0o755)  # whatever the umask: modes are bytes of the image
     return staged
 
 
-def _rootfs(
-    spec: target_tools.Spec, work: Path, log: Callable[[str], None]
-) -> tuple[Path, str, dict[str, str]]:
-    rootfs = work / "rootfs"
-    raw = spec.raw
-    kvers = [v for n, v in spec.lock.items() if n.startswith("linux-image-") and n != "linux-image-amd64"]
-    kver = next(
-        n.removeprefix("linux-image-")
-        for n in spec.lock
-        if n.startswith("linux-image-") and n != "linux-image-amd64"
-    )
+def _kernel_version(defn: debian.Definition) -> str:
+    kvers = [n for n in defn.lock if n.startswith("linux-image-") and n != "linux-image-amd64"]
     if len(kvers) != 1:
         raise ImageError(
-            f"{spec.root}/packages.lock: expected one linux-image-<version> package, found {len(kvers)}"
+            f"{defn.root / debian.LOCK_FILE}: expected one linux-image-<version> package, found {len(kvers)}"
         )
-    env_line = (
-        f"KVLAB_KVER={kver} KVLAB_INITRD_MODULES='{' '.join(raw['initrd_modules'])}' "
-        f"KVLAB_INITRD_DRIVERS='{' '.join(raw['initrd_drivers'])}' SOURCE_DATE_EPOCH={spec.source_date_epoch}"
+    return kvers[0].removeprefix("linux-image-")
+
+
+def _rootfs(defn: debian.Definition, work: Path, log: Callable[[str], None]) -> tuple[debian.Tree, str]:
+    kver = _kernel_version(defn)
+    customize_env = {
+        "KVLAB_KVER": kver,
+        "KVLAB_INITRD_MODULES": " ".join(defn.field("initrd_modules")),
+        "KVLAB_INITRD_DRIVERS": " ".join(defn.field("initrd_drivers")),
+        "SOURCE_DATE_EPOCH": str(defn.source_date_epoch),
+    }
+    tree = debian.rootfs(
+        defn,
+        work,
+        log,
+        hooks=[f"copy-in {_stage_shipped(work)}/. /"],
+        customize_env=customize_env,
+        variant=VARIANT,
     )
-    staged = _stage_overlay(spec, work)
-    hooks = [f"copy-in {staged}/. /"]
-    hooks.append(f'chroot "$1" env {env_line} /bin/sh -eu < {spec.root / "customize.sh"}')
-    log(f"rootfs: mmdebstrap {spec.release}, {len(spec.lock)} packages (log {work}/mmdebstrap.log)")
-    target_tools.mmdebstrap(
-        spec, work, rootfs, [f"{n}={v}" for n, v in sorted(spec.lock.items())], hooks, "essential"
-    )
-    installed = target_tools.check_lock(spec, work / "installed.txt")
-    os.chmod(rootfs, 0o755)
-    _normalize(rootfs, spec.source_date_epoch)
-    _clamp_times(rootfs, spec.source_date_epoch)
-    return rootfs, kver, installed
+    os.chmod(tree.path, 0o755)
+    _clamp_times(tree.path, defn.source_date_epoch)
+    return tree, kver
 
 
 def build(flavor: str, work: Path, log: Callable[[str], None]) -> Built:
     try:
         return _build(work, log)
     finally:
-        unmount_under(work)  # what an interrupted mmdebstrap left mounted
+        debian.unmount_under(work)  # what an interrupted mmdebstrap left mounted
         shutil.rmtree(work / "rootfs", ignore_errors=True)
 
 
 def _build(work: Path, log: Callable[[str], None]) -> Built:
-    spec = target_tools.Spec.load(definition_root())
-    raw = spec.raw
+    defn = debian.Definition.load(definition_root())
+    raw = defn.spec
     signing = _signing()
     tree = target_tools.ensure(log)
-    rootfs, kver, installed = _rootfs(spec, work, log)
+    root_tree, kver = _rootfs(defn, work, log)
+    rootfs = root_tree.path
     # the kernel and initrd travel in the UKI; the root keeps no second copy of them
     boot = work / "boot"
     boot.mkdir()
@@ -147,9 +154,9 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
     out.mkdir()
     env = dict(
         os.environ,
-        SOURCE_DATE_EPOCH=str(spec.source_date_epoch),
+        SOURCE_DATE_EPOCH=str(defn.source_date_epoch),
         # mke2fs (the seed partition) takes its superblock times from this, not from SOURCE_DATE_EPOCH
-        E2FSPROGS_FAKE_TIME=str(spec.source_date_epoch),
+        E2FSPROGS_FAKE_TIME=str(defn.source_date_epoch),
         LC_ALL="C.UTF-8",
         TZ="UTC",
     )
@@ -191,7 +198,7 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
             shutil.rmtree(work / "sb", ignore_errors=True)
         if res.returncode:
             raise ImageError(f"ukify failed: {res.stderr.strip()[-800:]}")
-        _clamp_times(work / "esp", spec.source_date_epoch)
+        _clamp_times(work / "esp", defn.source_date_epoch)
         split["seed"] = f"{w}/seed.ext4"
         seed_mib = int(raw["seed_partition_mib"])
         res = subprocess.run(
@@ -220,10 +227,6 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
         "kvlab-target.efi": out / "kvlab-target.efi",
         "roothash": out / "roothash",
     }
-    components = [
-        Component(kind="deb", name=n, version=v, sha256="", arch=spec.arch)
-        for n, v in sorted(installed.items())
-    ]
     meta = {
         "kernel": kver,
         "roothash": roothash,
@@ -234,4 +237,4 @@ def _build(work: Path, log: Callable[[str], None]) -> Built:
         "uki_sha256": sha256_file(out / "kvlab-target.efi"),
         "size_bytes": (out / ARTIFACT).stat().st_size,
     }
-    return Built(artifact=out / ARTIFACT, files=files, components=components, meta=meta)
+    return Built(artifact=out / ARTIFACT, files=files, components=root_tree.components, meta=meta)
