@@ -153,7 +153,6 @@ class Campaign(Strict):
     @field_validator("setups")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
-        load_setup_plugins()
         unknown = [s for s in v if s not in setups.REGISTRY]
         if unknown:
             raise ValueError(f"unknown setup(s) {', '.join(unknown)}: registered are {', '.join(sorted(setups.REGISTRY))}")
@@ -276,18 +275,6 @@ def shipment(path: Path) -> dict[str, Any]:
         out["files"].append({"field": ref.field, "value": ref.value, "src": str(ref.path.resolve()),
                              "dest": dest, "sha256": sha256_file(ref.path)})
     return out
-
-
-def load_setup_plugins() -> None:
-    """Setups registered in other modules of the registry (LMCache's) join REGISTRY on import."""
-    import importlib
-
-    for mod in ("kvlab.setups_lmcache",):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
 
 
 def _where(loc: tuple[Any, ...]) -> str:
