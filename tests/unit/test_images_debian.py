@@ -164,3 +164,17 @@ def test_interrupted_build_is_unmounted_deepest_first_and_only_inside_its_folder
     inside = str(work.resolve())
     assert points == [f"{inside}/rootfs/dev/pts", f"{inside}/rootfs/proc"]
     assert calls == [["umount", "--lazy", p] for p in points]
+
+
+def test_every_committed_lock_names_a_repin_command_that_exists():
+    """A stale lock's error tells the user what to run: that image must exist (the tools tree and
+    the serving image's base are re-pinned by the image that uses them)."""
+    from kvlab.images import build
+
+    images = Path(__file__).resolve().parents[2] / "images"
+    locks = sorted(images.rglob(debian.LOCK_FILE))
+    assert len(locks) >= 4
+    for lock in locks:
+        image = debian.pinning_image(lock.parent)
+        assert image in build.REGISTRY, f"{lock}: re-pinned by {image!r}, which is not an image"
+        assert f"kvlab image build {image} --repin" in debian.repin_command(lock.parent)

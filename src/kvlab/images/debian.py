@@ -114,9 +114,17 @@ class Definition:
         return self.spec[key]
 
 
+def pinning_image(root: Path) -> str:
+    """The image whose `--repin` writes root's lock: the one its image.yml names in `pinned_by` (a
+    tools tree or a base layer has no image of its own), else the folder's name."""
+    spec_file = root / "image.yml"
+    spec = yaml.safe_load(spec_file.read_text()) if spec_file.exists() else None
+    return (spec or {}).get("pinned_by") or root.name
+
+
 def repin_command(root: Path) -> str:
     rel = root.relative_to(paths.repo_root()) if root.is_relative_to(paths.repo_root()) else root
-    return f"kvlab image build {root.name} --repin   (then commit {rel}/{LOCK_FILE})"
+    return f"kvlab image build {pinning_image(root)} --repin   (then commit {rel}/{LOCK_FILE})"
 
 
 _LOCK_LINE = re.compile(
