@@ -61,8 +61,16 @@ def test_store_counters_are_the_stores_fields() -> None:
 
     from kvlab_connector.store_stats import StoreStats
 
-    fields = {f.name for f in dataclasses.fields(StoreStats)}
-    assert {c.name for c in COUNTERS if c.source == "store"} <= fields
+    # Every counter field is declared (objects_read was a field that nothing counted or read).
+    fields = {f.name for f in dataclasses.fields(StoreStats)} - {"io_latency_s"}
+    assert {c.name for c in COUNTERS if c.source == "store"} == fields
+
+
+def test_a_campaign_record_carries_every_counter_prometheus_serves() -> None:
+    from kvlab.harness.scenarios import CONNECTOR_COUNTERS
+
+    assert sorted(CONNECTOR_COUNTERS.values()) == sorted(c.prometheus for c in COUNTERS if c.prometheus)
+    assert CONNECTOR_COUNTERS["read_bytes"] == "kvlab_read_bytes"  # the record's connector_read_bytes
 
 
 def test_the_worker_reports_every_declared_counter(tmp_path: Path) -> None:

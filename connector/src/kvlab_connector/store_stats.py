@@ -12,7 +12,6 @@ class StoreStats:
     read_s: float = 0.0
     write_s: float = 0.0
     objects_written: int = 0
-    objects_read: int = 0
     sections_failed: int = 0
     checksum_failures: int = 0
     missing: int = 0

@@ -24,6 +24,7 @@ from kvlab.harness import metrics
 from kvlab.harness.campaign import AgentsScenario, RestoreScenario, SweepScenario
 from kvlab.harness.pagecache import drop_page_cache
 from kvlab.harness.sessions import TurnSpec, Workload, token_ids
+from kvlab_connector.counters import COUNTERS
 
 Sink = Callable[[dict[str, Any]], None]
 Note = Callable[[str], None]
@@ -35,13 +36,10 @@ VLLM_COUNTERS = {
     "external_queries": "vllm:external_prefix_cache_queries",
     "external_hits": "vllm:external_prefix_cache_hits",
 }
-# kvlab's connector (metrics_port): bytes moved, where pages came from, and what the store
-# refused or discarded on the way (a result shows it ran clean, or why not).
-CONNECTOR_COUNTERS = {"read_bytes": "kvlab_read_bytes", "written_bytes": "kvlab_written_bytes",
-                      "hit_tokens": "kvlab_hit_tokens", "saves_dropped": "kvlab_saves_dropped",
-                      "load_error_blocks": "kvlab_load_error_blocks",
-                      "checksum_failures": "kvlab_checksum_failures", "evictions": "kvlab_evictions",
-                      "out_of_space": "kvlab_out_of_space"}
+# kvlab's connector (metrics_port): every counter it serves, by the name counters.py declares
+# (a record's `connector_<x>` is the served `kvlab_<x>`): bytes moved, where pages came from, and
+# what the store refused or discarded on the way (a result shows it ran clean, or why not).
+CONNECTOR_COUNTERS = {c.prometheus.removeprefix("kvlab_"): c.prometheus for c in COUNTERS if c.prometheus}
 
 
 @dataclass(frozen=True)
