@@ -146,3 +146,20 @@ def test_embedded_campaign_is_sized_for_this_machine() -> None:
     assert set(c.setups) == {"baseline", "kvlab", "vllm-example", *CPU_MEASURABLE}
     assert c.scenarios.restore and c.scenarios.sweep and c.scenarios.agents
     assert c.scenarios.restore.setups is None and c.scenarios.restore.warm_repeats >= 5
+
+
+def test_the_estimate_counts_each_lifes_warm_up_and_the_recompute_reference() -> None:
+    c = campaign.parse(base())
+    r = c.scenarios.restore
+    assert r is not None and r.recompute_setup == "baseline" and r.restart_repeats >= 1
+    steps = {p.setup: p.steps for p in plan(c)}
+    reference = [s for s in steps["baseline"] if "recompute reference" in s.what]
+    assert len(reference) == 1 and reference[0].est_s > 0
+    assert not any("recompute reference" in s.what for s in steps["kvlab"])
+    more = base()
+    more["scenarios"]["restore"]["warmup_tokens"] = 4096
+    longer = {p.setup: p.steps for p in plan(campaign.parse(more))}
+    for setup in ("kvlab", "baseline"):  # the compute's life and every restart's
+        for a, b in zip(steps[setup], longer[setup], strict=True):
+            if a.what.startswith(("restore: compute", "restore: restart")):
+                assert b.est_s > a.est_s, a.what

@@ -118,13 +118,18 @@ def plan(c: Campaign, base: Path | None = None) -> list[SetupPlan]:
                     assert r is not None
                     comp = cm.prefill(r.tokens)
                     again = cm.restore(r.tokens, kvb) if cached else comp
-                    steps.append(Step(name, life, f"restore: compute {r.tokens} tokens", comp + r.settle_s))
+                    warm_up = cm.prefill(r.warmup_tokens)  # every engine life answers one first
+                    steps.append(Step(name, life, f"restore: compute {r.tokens} tokens",
+                                      warm_up + comp + r.settle_s))
+                    if name == r.recompute_setup:
+                        steps.append(Step(name, life, f"restore: recompute reference x{r.recompute_prompts}",
+                                          r.recompute_prompts * comp))
                     for i in range(r.warm_repeats):
                         steps.append(Step(name, life, f"restore: warm {i + 1}/{r.warm_repeats}", again))
                     for i in range(r.restart_repeats):
                         life += 1
                         steps.append(Step(name, life, f"restore: restart {i + 1}/{r.restart_repeats}",
-                                          cm.engine_start_s + again + r.settle_s))
+                                          cm.engine_start_s + warm_up + again + r.settle_s))
                 elif sc == "sweep":
                     sw = c.scenarios.sweep
                     assert sw is not None
