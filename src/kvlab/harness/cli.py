@@ -1,4 +1,4 @@
-"""`kvlab campaign run|validate|plan|files` and `kvlab report RUN... [--summary-json]`.
+"""`kvlab campaign run|compare|validate|plan|files` and `kvlab report RUN... [--summary-json]`.
 
 `campaign run FILE [--engine local|container|systemd --endpoint URL] [--runs-dir DIR]`: local engines
 (the default), the same engines from the CPU serving image (container), or, on a lab node, the
@@ -47,6 +47,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--keep-stores", action="store_true", help="keep the setups' KV stores after the run")
     r.add_argument("--no-report", action="store_true", help="write the raw results only")
     r.set_defaults(func=_run)
+
+    cmp = s.add_parser("compare", help="run a campaign under two engine controls, interleaved: the same "
+                                       "restored tokens? restore TTFT of the second over the first")
+    cmp.add_argument("file", type=Path)
+    cmp.add_argument("--engines", default="local,container",
+                     help="two engine controls, A,B (default local,container): B's TTFT is divided by A's")
+    cmp.add_argument("--repeats", type=int, default=3, help="runs per control, interleaved (ABBA...)")
+    cmp.add_argument("--runs-dir", "--results", dest="runs_dir", type=Path, default=Path("results/runs"))
+    cmp.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    cmp.set_defaults(func=_compare)
 
     rep = sub.add_parser("report", help="render a campaign run's tables and plots; several runs side by side")
     rep.add_argument("runs", nargs="+", type=Path, help="results/runs/<run-id> (or results/runs/latest)")
@@ -120,6 +130,42 @@ def _run(args: argparse.Namespace) -> int:
         _, md = render_run(run_dir)
         print(f"report: {md}", file=sys.stderr)
         print(md.read_text())
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from kvlab.cli import UserError
+    from kvlab.harness import compare
+    from kvlab.harness.runner import LocalEngines, note
+
+    controls = [x.strip() for x in args.engines.split(",")]
+    if len(controls) != 2 or len(set(controls)) != 2 or not set(controls) <= {"local", "container"}:
+        raise UserError(f"--engines {args.engines}: give two different controls of local and container "
+                        "(e.g. --engines local,container)")
+    if args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats}: give 1 or more (3 or more for quartiles)")
+    _load(args.file)  # a bad campaign is named before any image is built
+
+    def engines_for(control: str) -> Engines:
+        if control == "local":
+            return LocalEngines()
+        from kvlab.engine_container import ContainerEngines
+
+        return ContainerEngines("cpu")
+
+    out = compare.compare(args.file, controls, args.repeats, args.runs_dir, engines_for, note)
+    a, b = controls
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for name, t in out["restore_ttft"].items():
+            print(f"{name}: {b} {t[f'{b}_ttft_s']:.3f} s, {a} {t[f'{a}_ttft_s']:.3f} s: {b}/{a} "
+                  f"{t[f'{b}_over_{a}']:.2f} ({t['q1']:.2f}-{t['q3']:.2f}, {t['repeats']} repeats)")
+        print(f"same restored tokens: {out['same_restored_tokens']}; report {out['report']}")
+    if not out["same_restored_tokens"]:
+        print(f"{b} and {a} restored or answered different tokens: {out['token_differences'][:3]}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
