@@ -105,13 +105,35 @@ def engine_params(model: Path, tokens: int, work: Path, port: int) -> setups.Eng
     )
 
 
-def connector_io_mode(params: setups.EngineParams) -> str | None:
-    """What kvlab's connector says it moved the bytes with (its kvlab_io_mode_info gauge)."""
+def connector_metrics(params: setups.EngineParams) -> dict[str, float]:
+    """kvlab's connector's Prometheus text, parsed; empty where it serves none."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{params.kv_metrics_port}/metrics", timeout=5) as r:
-            return io_mode_of(parse_prometheus(r.read().decode()))
+            return parse_prometheus(r.read().decode())
     except OSError:
+        return {}
+
+
+REQUEST_BYTES = "kvlab_read_request_bytes"
+
+
+def request_bytes_p50(m: dict[str, float]) -> tuple[float, float, float, int] | None:
+    """The median read request's size from the connector's kvlab_read_request_bytes histogram:
+    (estimate, bucket low, bucket high, requests). The estimate interpolates within the median's
+    power-of-two bucket, as Prometheus' histogram_quantile does; the median lies in (low, high]."""
+    count = m.get(f"{REQUEST_BYTES}_count")
+    if not count:
         return None
+    prefix = f'{REQUEST_BYTES}_bucket{{le="'
+    buckets = sorted((float(k[len(prefix):-2]), v) for k, v in m.items()
+                     if k.startswith(prefix) and not k.endswith('+Inf"}'))
+    low, below = 0.0, 0.0
+    for high, cumulative in buckets:
+        if cumulative >= count / 2:
+            inside = cumulative - below
+            return low + (high - low) * (count / 2 - below) / inside, low, high, int(count)
+        low, below = high, cumulative
+    return None  # the median is past the last bound (256 MiB): not a request size this store makes
 
 
 def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
@@ -128,6 +150,7 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
     fio_gbps: list[float] = []
     fio_runs: list[FioResult] = []
     io_modes: set[str] = set()
+    request_p50: list[tuple[float, float, float, int]] = []  # per restart restore of kvlab
 
     def measure_drive() -> None:
         gbps, runs = fio_limit(work / "fio", "read")
@@ -154,7 +177,11 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
             samples[setup].restart_restore.append(c.ttft_s)
             samples[setup].restart_cached_tokens.append(c.cached_tokens or 0)
             if setup == "kvlab":
-                io_modes.add(connector_io_mode(params) or "not reported")
+                m = connector_metrics(params)  # this engine life's reads: the restart restore's only
+                io_modes.add(io_mode_of(m) or "not reported")
+                p50 = request_bytes_p50(m)
+                if p50:
+                    request_p50.append(p50)
             hit = complete(server.base_url, "tiny", prompt)
             samples[setup].prefix_hit.append(hit.ttft_s)
             server.reset_prefix_cache()
@@ -215,6 +242,12 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
         "drive_limit_s": drive_time,
         # As kvlab's connector reported it after each restart restore.
         "io_mode": ",".join(sorted(io_modes)),
+        # The median read request of a restart restore (the median over the repeats), and the
+        # power-of-two bucket it was in: large I/O is what reaches the drives' bandwidth.
+        "read_request_bytes_p50": statistics.median(p[0] for p in request_p50) if request_p50 else None,
+        "read_request_bytes_p50_bucket": (list(sorted(request_p50)[len(request_p50) // 2][1:3])
+                                          if request_p50 else None),
+        "read_requests_per_restore": statistics.median(p[3] for p in request_p50) if request_p50 else None,
         "provenance": {**results.provenance(), "filesystem": results.filesystem(work),
                        "engine_argv": list(setups.render("kvlab", params).engine.argv)},
     }
@@ -241,6 +274,11 @@ def table(result: dict) -> str:
         f"(kvlab restart − prefix hit) ÷ drive time {result['restore_over_drive_limit']:.3f}  (goal ≤ 1.25; "
         "median of the repeats, each at its own fio limit)",
     ]
+    if result.get("read_request_bytes_p50"):
+        lo, hi = result["read_request_bytes_p50_bucket"]
+        rows.append(f"kvlab's median read request            {result['read_request_bytes_p50'] / 2**20:.2f} MiB "
+                    f"(in ({lo / 2**20:g}, {hi / 2**20:g}] MiB; {result['read_requests_per_restore']:.0f} "
+                    "requests a restore; goal ≥ 1 MiB)")
     return "\n".join(rows)
 
 

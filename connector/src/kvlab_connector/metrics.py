@@ -12,6 +12,7 @@ from typing import Any
 
 from kvlab_connector.counters import COUNTERS
 
+READ_REQUEST_BUCKETS = tuple(float(1 << k) for k in range(12, 29))  # 4 KiB .. 256 MiB
 _lock = threading.Lock()
 _metrics: dict[str, Any] | None = None
 _served_ports: set[int] = set()
@@ -33,6 +34,12 @@ def metrics() -> dict[str, Any] | None:
             "io_latency": Histogram(
                 "kvlab_io_latency_seconds", "latency of one section's I/O",
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+            ),
+            # One read request's bytes (a run of adjacent sections, one preadv; one section
+            # through GDS): powers of two, so that "the median request is >= 1 MiB" is exact.
+            "read_request_bytes": Histogram(
+                "kvlab_read_request_bytes", "bytes of one read request to the drives",
+                buckets=READ_REQUEST_BUCKETS,
             ),
             "io_mode": Gauge("kvlab_io_mode_info", "I/O mode in use", ["mode"]),
             "ring_in_use": Gauge("kvlab_ring_slots_in_use", "staging ring slots in use"),
@@ -65,5 +72,6 @@ def observe_io(seconds: float, read_bytes: int = 0, written_bytes: int = 0) -> N
     m["io_latency"].observe(seconds)
     if read_bytes:
         m["bytes_read"].inc(read_bytes)
+        m["read_request_bytes"].observe(read_bytes)
     if written_bytes:
         m["bytes_written"].inc(written_bytes)
