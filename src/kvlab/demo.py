@@ -117,13 +117,15 @@ def connector_metrics(params: setups.EngineParams) -> dict[str, float]:
 REQUEST_BYTES = "kvlab_read_request_bytes"
 
 
-def request_bytes_p50(m: dict[str, float]) -> tuple[float, float, float, int] | None:
+def request_bytes_p50(m: dict[str, float]) -> tuple[float, float, float, int, float] | None:
     """The median read request's size from the connector's kvlab_read_request_bytes histogram:
-    (estimate, bucket low, bucket high, requests). The estimate interpolates within the median's
-    power-of-two bucket, as Prometheus' histogram_quantile does; the median lies in (low, high]."""
+    (estimate, bucket low, bucket high, requests, mean). The estimate interpolates within the
+    median's power-of-two bucket, as Prometheus' histogram_quantile does; the median lies in
+    (low, high]. Where every request has one size (a restore of whole chunks), the mean is it."""
     count = m.get(f"{REQUEST_BYTES}_count")
     if not count:
         return None
+    mean = m.get(f"{REQUEST_BYTES}_sum", 0.0) / count
     prefix = f'{REQUEST_BYTES}_bucket{{le="'
     buckets = sorted((float(k[len(prefix):-2]), v) for k, v in m.items()
                      if k.startswith(prefix) and not k.endswith('+Inf"}'))
@@ -131,7 +133,7 @@ def request_bytes_p50(m: dict[str, float]) -> tuple[float, float, float, int] | 
     for high, cumulative in buckets:
         if cumulative >= count / 2:
             inside = cumulative - below
-            return low + (high - low) * (count / 2 - below) / inside, low, high, int(count)
+            return low + (high - low) * (count / 2 - below) / inside, low, high, int(count), mean
         low, below = high, cumulative
     return None  # the median is past the last bound (256 MiB): not a request size this store makes
 
@@ -150,7 +152,7 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
     fio_gbps: list[float] = []
     fio_runs: list[FioResult] = []
     io_modes: set[str] = set()
-    request_p50: list[tuple[float, float, float, int]] = []  # per restart restore of kvlab
+    request_p50: list[tuple[float, float, float, int, float]] = []  # per restart restore of kvlab
 
     def measure_drive() -> None:
         gbps, runs = fio_limit(work / "fio", "read")
@@ -248,6 +250,7 @@ def run_demo(tokens: int, repeats: int, work: Path, port: int) -> dict:
         "read_request_bytes_p50_bucket": (list(sorted(request_p50)[len(request_p50) // 2][1:3])
                                           if request_p50 else None),
         "read_requests_per_restore": statistics.median(p[3] for p in request_p50) if request_p50 else None,
+        "read_request_bytes_mean": statistics.median(p[4] for p in request_p50) if request_p50 else None,
         "provenance": {**results.provenance(), "filesystem": results.filesystem(work),
                        "engine_argv": list(setups.render("kvlab", params).engine.argv)},
     }
@@ -277,8 +280,8 @@ def table(result: dict) -> str:
     if result.get("read_request_bytes_p50"):
         lo, hi = result["read_request_bytes_p50_bucket"]
         rows.append(f"kvlab's median read request            {result['read_request_bytes_p50'] / 2**20:.2f} MiB "
-                    f"(in ({lo / 2**20:g}, {hi / 2**20:g}] MiB; {result['read_requests_per_restore']:.0f} "
-                    "requests a restore; goal ≥ 1 MiB)")
+                    f"(in ({lo / 2**20:g}, {hi / 2**20:g}] MiB, mean {result['read_request_bytes_mean'] / 2**20:.2f} MiB; "
+                    f"{result['read_requests_per_restore']:.0f} requests a restore; goal ≥ 1 MiB)")
     return "\n".join(rows)
 
 

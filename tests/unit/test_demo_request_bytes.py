@@ -22,12 +22,13 @@ def served(sizes: list[int]) -> dict[str, float]:
 
 
 def test_the_median_lies_in_its_bucket() -> None:
-    est, lo, hi, n = request_bytes_p50(served([4 * MIB + 4096] * 9 + [64 * 1024]))
+    est, lo, hi, n, mean = request_bytes_p50(served([4 * MIB + 4096] * 9 + [64 * 1024]))
     assert (lo, hi, n) == (4 * MIB, 8 * MIB, 10) and lo < est <= hi
+    assert mean == pytest.approx((9 * (4 * MIB + 4096) + 64 * 1024) / 10)
 
 
 def test_small_requests_give_a_small_median() -> None:
-    est, lo, hi, _ = request_bytes_p50(served([128 * 1024] * 6 + [4 * MIB] * 4))
+    est, lo, hi, _, _ = request_bytes_p50(served([128 * 1024] * 6 + [4 * MIB] * 4))
     assert hi == 128 * 1024 and est < MIB
 
 
