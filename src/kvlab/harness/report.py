@@ -271,7 +271,10 @@ def provenance_lines(runs: list[RunData]) -> list[str]:
     for r in runs:
         p = r.provenance
         g, v, h = p.get("git", {}), p.get("versions", {}), p.get("host", {})
-        out += [f"- **{r.run_id}**: campaign `{p.get('campaign')}` sha256 `{str(p.get('campaign_sha256'))[:16]}…`, "
+        ctl = p.get("engine_control") or {}
+        image = (ctl.get("image") or {}).get("digest")
+        engines = f"engines {ctl.get('kind', 'local')}" + (f" from image `{image[:19]}…`" if image else "")
+        out += [f"- **{r.run_id}**: {engines}; campaign `{p.get('campaign')}` sha256 `{str(p.get('campaign_sha256'))[:16]}…`, "
                 f"seed {p.get('seed')}; commit `{str(g.get('commit'))[:12]}`{' (dirty)' if g.get('dirty') else ''}; "
                 f"vLLM {v.get('vllm')}, torch {v.get('torch')}, LMCache {v.get('lmcache')}, kvlab {v.get('kvlab')}; "
                 f"{h.get('cpu_model')} ×{h.get('cpu_count')}, GPUs {h.get('gpus') or 'none'}, kernel {h.get('kernel')}; "
