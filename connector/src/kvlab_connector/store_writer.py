@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -36,8 +37,46 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full drive, or the store's user's 
 # One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).
 MAX_WRITE_BYTES = 8 << 20
 MAX_WRITE_BUFFERS = 256
-# (offset, bytes: a host memoryview or a device tensor, on_done)
-_QueuedWrite = tuple[int, "memoryview | Any", Callable[[bool], None]]
+
+
+class _WriteMedium:
+    """How a queued section's memory reaches its fragment file: chosen once, by the call that
+    submits it (submit_section: host memory; submit_device_section: device memory)."""
+
+    merges: bool  # adjacent sections of this medium go out as one request
+
+    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[_QueuedWrite]) -> bool:
+        raise NotImplementedError
+
+
+class _HostWrites(_WriteMedium):
+    merges = True  # one vectored pwritev for a run of adjacent slots
+
+    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[_QueuedWrite]) -> bool:
+        return pwritev_full(fd, [q.buf for q in run], run[0].offset) == sum(q.nbytes for q in run)
+
+
+class _DeviceWrites(_WriteMedium):
+    merges = False  # device slots are not adjacent in memory; kvikio splits a request itself
+
+    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[_QueuedWrite]) -> bool:
+        (q,) = run
+        io = writer.store.device_io
+        if writer._device_files[frag] is None:
+            writer._device_files[frag] = io.open(writer.tmp[frag], "r+")
+        return io.pwrite(writer._device_files[frag], q.buf, q.nbytes, q.offset) == q.nbytes
+
+
+HOST_WRITES, DEVICE_WRITES = _HostWrites(), _DeviceWrites()
+
+
+@dataclass(frozen=True)
+class _QueuedWrite:
+    offset: int
+    buf: Any  # what `medium` writes: a host memoryview or a device tensor, shape.stride bytes
+    nbytes: int
+    on_done: Callable[[bool], None]
+    medium: _WriteMedium
 
 
 class ObjectWriter:
@@ -136,7 +175,7 @@ class ObjectWriter:
         except Exception:
             self._unadmit(on_done)
             raise
-        self._queue(section, view[:self.shape.stride], on_done)  # type: ignore[index]
+        self._queue(section, view[:self.shape.stride], on_done, HOST_WRITES)  # type: ignore[index]
 
     def submit_device_section(self, section: int, slot: Any, on_done: Callable[[bool], None]) -> None:
         """The same for a section in device memory (a uint8 tensor of shape.stride bytes,
@@ -158,7 +197,7 @@ class ObjectWriter:
         except Exception:
             self._unadmit(on_done)
             raise
-        self._queue(section, slot[:shape.stride], on_done)
+        self._queue(section, slot[:shape.stride], on_done, DEVICE_WRITES)
 
     def _admit(self, section: object, nbytes: int, problem: str | None, on_done: Callable[[bool], None]) -> bool:
         """Whether a section goes to the drives. A misused one (an index outside the shape
@@ -203,10 +242,10 @@ class ObjectWriter:
             return True
         return False
 
-    def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None]) -> None:
+    def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None], medium: _WriteMedium) -> None:
         frag, offset = self.store.placement(self.key, self.shape, section)
         with self._lock:
-            self._queued[frag].append((offset, buf, on_done))
+            self._queued[frag].append(_QueuedWrite(offset, buf, self.shape.stride, on_done, medium))
             start = not self._draining[frag]
             self._draining[frag] = True
         if start:
@@ -225,25 +264,18 @@ class ObjectWriter:
                 if not items:
                     self._draining[frag] = False
                     return
-            items.sort(key=lambda it: it[0])
+            items.sort(key=lambda it: it.offset)
             for run in _contiguous_runs(items):
                 self._write_run(frag, run)
 
     def _write_run(self, frag: int, run: list[_QueuedWrite]) -> None:
         store = self.store
-        nbytes = sum(_nbytes(buf) for _, buf, _ in run)
+        nbytes = sum(q.nbytes for q in run)
         ok = False
         t0 = time.perf_counter()
         if not self._failed:
             try:
-                fd = self._open(frag)
-                if isinstance(run[0][1], memoryview):
-                    ok = pwritev_full(fd, [buf for _, buf, _ in run], run[0][0]) == nbytes
-                else:  # device memory: one section per run
-                    (offset, slot, _), = run
-                    if self._device_files[frag] is None:
-                        self._device_files[frag] = store.device_io.open(self.tmp[frag], "r+")
-                    ok = store.device_io.pwrite(self._device_files[frag], slot, nbytes, offset) == nbytes
+                ok = run[0].medium.write(self, frag, self._open(frag), run)
             except Exception as e:  # an I/O error (or a device error): the object is not written
                 ok = False
                 if isinstance(e, OSError) and e.errno in _NO_SPACE:
@@ -255,8 +287,8 @@ class ObjectWriter:
                     store.stats.bytes_written += nbytes
                     store.stats.write_s += dt
             metrics.observe_io(dt, written_bytes=nbytes if ok else 0)
-        for _, _, on_done in run:
-            on_done(ok)
+        for q in run:
+            q.on_done(ok)
             self._section_done(ok)
 
     def _section_done(self, ok: bool) -> None:
@@ -352,23 +384,20 @@ class ObjectWriter:
             self.done.set_result(True)
 
 
-def _nbytes(buf: Any) -> int:
-    return len(buf) if isinstance(buf, memoryview) else int(buf.numel())
-
-
 def _contiguous_runs(items: list[_QueuedWrite]) -> Iterator[list[_QueuedWrite]]:
     """Split offset-sorted writes into runs that are adjacent on the drive and fit one
     request. Host buffers merge into one vectored write; a device section goes alone
     (kvikio splits a request over its own threads)."""
     run = [items[0]]
-    size = _nbytes(items[0][1])
+    size = items[0].nbytes
     for it in items[1:]:
-        adjacent = run[-1][0] + _nbytes(run[-1][1]) == it[0]
-        host = isinstance(it[1], memoryview) and isinstance(run[-1][1], memoryview)
-        if host and adjacent and size + len(it[1]) <= MAX_WRITE_BYTES and len(run) < MAX_WRITE_BUFFERS:
+        prev = run[-1]
+        joins = (it.medium is prev.medium and it.medium.merges and prev.offset + prev.nbytes == it.offset
+                 and size + it.nbytes <= MAX_WRITE_BYTES and len(run) < MAX_WRITE_BUFFERS)
+        if joins:
             run.append(it)
-            size += len(it[1])
+            size += it.nbytes
         else:
             yield run
-            run, size = [it], _nbytes(it[1])
+            run, size = [it], it.nbytes
     yield run
