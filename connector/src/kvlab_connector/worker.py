@@ -27,7 +27,7 @@ from kvlab_connector.ring import DeviceRing, StagingRing
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
 from kvlab_connector.store import Store
 from kvlab_connector.worker_load import LoadPipeline, _runs
-from kvlab_connector.worker_media import DeviceMedium, HostMedium, PagedCache, Transfers
+from kvlab_connector.worker_media import DeviceMedium, HostMedium, PagedCache, Transfers, copies_for
 from kvlab_connector.worker_save import SavePipeline
 
 __all__ = ["WorkerSide", "_runs", "kvikio_wanted"]
@@ -103,7 +103,7 @@ class WorkerSide:
         cache = PagedCache(
             kv=kv, layer_index={n: i for i, n in enumerate(names)}, blocks_dim=blocks_dim,
             block_shape=tuple(block_shape), dtype=first.dtype, num_blocks=num_blocks, tag=zlib.crc32(desc),
-            cuda=first.device.type == "cuda",
+            copies=copies_for(first.device, self.store),
             # CPU engine with each block one contiguous run of bytes (blocks may sit apart: a
             # backing shared by all layers can interleave them): copies are plain memmoves.
             direct_copy=blocks_dim == 0 and all(
@@ -117,7 +117,7 @@ class WorkerSide:
         self._loads = LoadPipeline(self.transfers, self._poisoned, self._removing)
         self._saves = SavePipeline(self.transfers, self._poisoned, self._removing)
         self.io_mode = self.store.io_mode
-        if cache.cuda:
+        if first.device.type == "cuda":
             self._choose_gpu_io(first.device)
         elif self.config.io_engine == "gds":
             raise RuntimeError(

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from kvlab_connector import metrics
-from kvlab_connector.io_gds import side_stream
 from kvlab_connector.io_posix import spread_over_process_cpus
 from kvlab_connector.ring import RingFull
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
@@ -120,9 +119,7 @@ class LoadPipeline:
         if not meta.loads:
             return
         load = _Load(meta.loads, self.t.n_layers)
-        if self.t.cache.cuda:
-            load.forward_mark = torch.cuda.Event()
-            load.forward_mark.record()
+        load.forward_mark = self.t.cache.copies.forward_mark()
         self._load = load
         self._deadline = time.monotonic() + self.t.config.load_timeout_s
         threading.Thread(target=self._feed, args=(load,), name="kvlab-load", daemon=True).start()
@@ -237,23 +234,17 @@ class LoadPipeline:
         ids = [block_ids[j] for j in sel]
         if any(b >= cache.num_blocks for b in ids):
             raise IndexError(f"block {max(ids)} outside the KV cache ({cache.num_blocks} blocks)")
-        with side_stream(dst.device):
-            if after is not None:
-                torch.cuda.current_stream().wait_event(after)
+        with cache.copies.into_cache(dst.device, after):
             src_t = self.t.slot_tensor(slot, len(block_ids))
             if len(sel) != len(block_ids):
                 src_t = src_t[sel]
-            if dst.device != src_t.device:
-                src_t = src_t.to(dst.device, non_blocking=True)  # GPU: page-locked host ring → device
+            src_t = src_t.to(dst.device, non_blocking=True)  # GPU: page-locked host ring → device
             # One copy, slot → paged cache, whatever the block dimension.
             dst.index_copy_(
                 cache.blocks_dim,
                 torch.tensor(ids, dtype=torch.long).to(dst.device, non_blocking=True),
                 src_t.movedim(0, cache.blocks_dim) if cache.blocks_dim else src_t,
             )
-            if cache.cuda:
-                # The slot is reused once this returns, and the layer is declared ready.
-                torch.cuda.current_stream().synchronize()
 
     def wait_for_layer(self, layer_name: str) -> None:
         load = self._load

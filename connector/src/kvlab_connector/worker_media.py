@@ -6,13 +6,19 @@ kv_offload picks one transfer handler per (source, destination) medium pair:
 - DeviceMedium: a ring in device memory that drives and GPU exchange sections with
   directly (GDS through kvikio), checksummed on the device.
 The load and save pipelines (worker_load.py, worker_save.py) call only this interface.
+
+How copies between a slot and the paged cache are ordered with the engine's forward pass is
+chosen once too, from the device the KV cache is on: CacheCopies (HostCopies for CPU
+engines, CudaCopies for GPU engines).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -20,9 +26,12 @@ from typing import Any
 import torch
 
 from kvlab_connector.config import ConnectorConfig
+from kvlab_connector.io_gds import side_stream
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import DeviceRing, StagingRing
 from kvlab_connector.store import ObjectShape, ObjectWriter, Store
+
+log = logging.getLogger("vllm.kvlab_connector")
 
 
 class Medium(ABC):
@@ -134,6 +143,115 @@ class DeviceMedium(Medium):
         return 1  # device slots are not adjacent; kvikio splits each request itself
 
 
+class CacheCopies(ABC):
+    """How copies between ring slots and vLLM's paged KV cache are ordered with the forward
+    pass."""
+
+    def forward_mark(self) -> Any:
+        """Taken at start_load_kv: what copies into the cache wait for (None: nothing)."""
+        return None
+
+    @abstractmethod
+    def into_cache(self, device: torch.device, after: Any) -> contextlib.AbstractContextManager[None]:
+        """Around a copy from a slot into the cache: it runs after `after` (forward_mark's),
+        and the slot may be reused once the block exits."""
+
+    @abstractmethod
+    def copy_out(
+        self,
+        kv_layer: torch.Tensor,
+        blocks_dim: int,
+        block_ids: list[int],
+        dst: torch.Tensor,
+        submit: Callable[[], None],
+        fail: Callable[[], None],
+    ) -> Callable[[], None]:
+        """Start copying the blocks `block_ids` of one layer into `dst` (a slot). The callable
+        returned hands the slot on with `submit` once the copy is done (`fail` if it failed)."""
+
+    @abstractmethod
+    def forward_waits(self) -> None:
+        """Before vLLM may reuse saved blocks: the forward pass waits for this step's copies out."""
+
+
+class HostCopies(CacheCopies):
+    """A CPU engine: every copy runs in the thread that asks for it, done when it returns."""
+
+    def into_cache(self, device: torch.device, after: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def copy_out(self, kv_layer, blocks_dim, block_ids, dst, submit, fail):  # type: ignore[no-untyped-def]
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if blocks_dim == 0:
+            torch.index_select(kv_layer, 0, ids, out=dst)  # one copy, paged cache → slot
+        else:
+            dst.copy_(kv_layer.index_select(blocks_dim, ids).movedim(blocks_dim, 0))
+        return submit
+
+    def forward_waits(self) -> None:
+        pass  # every copy out was done when copy_out returned
+
+
+class CudaCopies(CacheCopies):
+    """A GPU engine. Copies into the cache run on the I/O thread's side stream after the
+    forward stream's mark; copies out run on a save stream once the layer's kernels are
+    done, and the forward stream (not the host) waits for them at the end of the step, so
+    the forward pass never waits for a save."""
+
+    def __init__(self, device: torch.device, engine: Any):
+        self.save_stream = torch.cuda.Stream(device=device)
+        self.engine = engine  # the store's I/O threads: they wait for a copy out, then write
+        self._copies_out: list[Any] = []  # this step's, as CUDA events
+
+    def forward_mark(self) -> Any:
+        # No kernel queued before the load (one still writing those blocks) may run after a
+        # restored block has landed.
+        mark = torch.cuda.Event()
+        mark.record()
+        return mark
+
+    @contextlib.contextmanager
+    def into_cache(self, device: torch.device, after: Any) -> Iterator[None]:
+        with side_stream(device):
+            if after is not None:
+                torch.cuda.current_stream().wait_event(after)
+            yield
+            # The slot is reused once this returns, and the layer is declared ready.
+            torch.cuda.current_stream().synchronize()
+
+    def copy_out(self, kv_layer, blocks_dim, block_ids, dst, submit, fail):  # type: ignore[no-untyped-def]
+        forward = torch.cuda.current_stream()
+        with torch.cuda.stream(self.save_stream):
+            self.save_stream.wait_stream(forward)  # the layer's KV is written
+            ids = torch.tensor(block_ids, dtype=torch.long).to(kv_layer.device, non_blocking=True)
+            dst.copy_(kv_layer.index_select(blocks_dim, ids).movedim(blocks_dim, 0), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        self._copies_out.append(copied)
+
+        def when_copied() -> None:
+            try:
+                copied.synchronize()
+            except Exception:
+                log.exception("kvlab connector: a save's copy failed")
+                fail()
+                return
+            submit()
+
+        return lambda: self.engine.submit(when_copied)
+
+    def forward_waits(self) -> None:
+        if self._copies_out:
+            forward = torch.cuda.current_stream()
+            for copied in self._copies_out:
+                forward.wait_event(copied)
+            self._copies_out.clear()
+
+
+def copies_for(device: torch.device, store: Store) -> CacheCopies:
+    return CudaCopies(device, store.engine) if device.type == "cuda" else HostCopies()
+
+
 @dataclass
 class PagedCache:
     """vLLM's paged KV cache as the connector found it at register_kv_caches."""
@@ -145,7 +263,7 @@ class PagedCache:
     dtype: torch.dtype
     num_blocks: int
     tag: int  # the physical layout's checksum: tags every section
-    cuda: bool
+    copies: CacheCopies
     # CPU engine with each block one contiguous run of bytes: copies are plain memmoves
     # between the paged cache and the host ring (worker_load.copy_in).
     direct_copy: bool

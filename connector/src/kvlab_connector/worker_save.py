@@ -5,9 +5,9 @@ of the medium and queues the write. No free slot: the object is dropped and coun
 A finished request's last objects are copied out at the start of the next step
 (`save_finished`) and vLLM holds their blocks only until the end of that step.
 
-On a GPU every copy runs on a side stream, so the forward pass never waits for a save: a
-save's copy starts after the layer's KV is written and the forward stream waits for it only
-at the end of the step, before vLLM may reuse those blocks.
+On a GPU every copy runs on a side stream (worker_media.CudaCopies), so the forward pass
+never waits for a save: a save's copy starts after the layer's KV is written and the forward
+stream waits for it only at the end of the step, before vLLM may reuse those blocks.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ class SavePipeline:
         self.poisoned = poisoned
         self.removing = removing
         self._writers: dict[str, tuple[ObjectWriter, int]] = {}
-        self._save_stream: Any = torch.cuda.Stream(device=t.cache.kv[0].device) if t.cache.cuda else None
-        self._save_events: list[Any] = []  # this step's save copies, for end_step
         # This step's last sections of saves by requests that also load this step: handed
         # to their writers at end_step, once the loads have verified (else aborted).
         self._held: list[tuple[ChunkIO, ObjectWriter, Callable[[bool], None], Callable[[], Any]]] = []
@@ -115,8 +113,8 @@ class SavePipeline:
         hold: ChunkIO | None = None,
     ) -> None:
         """Copy an object's blocks of one layer into a slot and hand the slot to the writer
-        (with `hold`, the object being saved: at end_step, see _release_held). On a GPU the copy runs
-        on the save stream and the write is queued once it is done."""
+        (with `hold`, the object being saved: at end_step, see _release_held). The cache's
+        CacheCopies order the copy with the forward pass (worker_media.py)."""
         medium = self.t.medium
         blocks_dim = self.t.cache.blocks_dim
 
@@ -126,42 +124,16 @@ class SavePipeline:
         def submit() -> None:
             medium.submit_section(writer, layer, slot, release)
 
+        def fail() -> None:
+            writer.abort(1)
+            release(False)
+
         dst = self.t.slot_tensor(slot, len(block_ids))
-        if not self.t.cache.cuda:
-            ids = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
-            if kv_layer.device == dst.device and blocks_dim == 0:
-                torch.index_select(kv_layer, 0, ids, out=dst)  # one copy, paged cache → slot
-            else:
-                dst.copy_(kv_layer.index_select(blocks_dim, ids).movedim(blocks_dim, 0))
-            if hold is not None:
-                self._held.append((hold, writer, release, submit))
-                return
-            submit()
-            return
-        forward = torch.cuda.current_stream()
-        with torch.cuda.stream(self._save_stream):
-            self._save_stream.wait_stream(forward)  # the layer's KV is written
-            ids = torch.tensor(block_ids, dtype=torch.long).to(kv_layer.device, non_blocking=True)
-            dst.copy_(kv_layer.index_select(blocks_dim, ids).movedim(blocks_dim, 0), non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        self._save_events.append(copied)
-        engine = self.t.store.engine
-
-        def submit_when_copied() -> None:
-            try:
-                copied.synchronize()
-            except Exception:
-                log.exception("kvlab connector: a save's copy failed")
-                writer.abort(1)
-                release(False)
-                return
-            submit()
-
+        go = self.t.cache.copies.copy_out(kv_layer, blocks_dim, block_ids, dst, submit, fail)
         if hold is not None:
-            self._held.append((hold, writer, release, lambda: engine.submit(submit_when_copied)))
-            return
-        engine.submit(submit_when_copied)
+            self._held.append((hold, writer, release, go))
+        else:
+            go()
 
     def _release_held(self) -> None:
         """The held last sections: written where the request's loads verified, else their
@@ -173,13 +145,6 @@ class SavePipeline:
                 release(False)
             else:
                 go()
-
-    def _forward_waits_for_copies(self) -> None:
-        if self._save_events:
-            forward = torch.cuda.current_stream()
-            for ev in self._save_events:
-                forward.wait_event(ev)
-            self._save_events.clear()
 
     def save_finished(self, finish_saves: dict[str, list[ChunkIO]], enabled: bool) -> None:
         """Finished requests' last objects (their answers' whole blocks), copied from the
@@ -204,7 +169,7 @@ class SavePipeline:
                     self._save_section(writer, layer, kv_layer, chunk.block_ids, slot)
             self._finished.add(req_id)
         # GPU: the step's first kernels (zeroing new blocks, the forward) wait for the copies.
-        self._forward_waits_for_copies()
+        self.t.cache.copies.forward_waits()
 
     def take_finished(self) -> set[str]:
         done, self._finished = self._finished, set()
@@ -216,7 +181,7 @@ class SavePipeline:
             self._release_held()
         # vLLM may reuse the saved blocks from the next step on: the forward stream
         # waits (on the GPU, not the host) for this step's save copies.
-        self._forward_waits_for_copies()
+        self.t.cache.copies.forward_waits()
         n_layers = self.t.n_layers
         for writer, submitted in self._writers.values():
             if 0 <= submitted < n_layers:
