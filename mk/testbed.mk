@@ -15,5 +15,5 @@ testbed-status: setup ## the testbed VMs and the node's NVMe-oF controllers (JSO
 test-testbed: setup ## testbed tier alone: VMs + site.yml x3 (apply, again, --check) + verify + faults (~20 min; image cached by inputs)
 	$(PYTEST) tests/testbed -m "testbed and not appliance"
 
-test-appliance: setup ## the target appliance in the testbed: its image, three TCG boots, the node over RDMA, broken seeds (~10 min; not yet in make test)
+test-appliance: setup ## the target appliance in the testbed: its image, three TCG boots, the node over RDMA, broken seeds, site.yml on it (~12 min cold; not yet in make test)
 	$(PYTEST) tests/testbed -m appliance

@@ -40,6 +40,26 @@ def _missing() -> str | None:
     return None
 
 
+def ansible_playbook(inventory: Path, *args: str, timeout: float = DEPLOY_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """ansible-playbook from this environment, with the project's ansible.cfg, from the repo root."""
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
+        ANSIBLE_NOCOLOR="1",
+        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    )
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), *args],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def playbook():
+    """ansible_playbook, for tests that make an inventory of their own VMs."""
+    return ansible_playbook
+
+
 class Testbed:
     def __init__(self, state: tb.State, inventory: Path):
         self.state = state
@@ -54,16 +74,7 @@ class Testbed:
             raise AttributeError(name) from e
 
     def ansible(self, *args: str, timeout: float = DEPLOY_TIMEOUT_S) -> subprocess.CompletedProcess:
-        env = dict(
-            os.environ,
-            ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
-            ANSIBLE_NOCOLOR="1",
-            PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        )
-        return subprocess.run(
-            [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(self.inventory), *args],
-            cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, check=False,
-        )  # fmt: skip
+        return ansible_playbook(self.inventory, *args, timeout=timeout)
 
     def console_logs(self) -> str:
         return "\n".join(f"  {m.name}: {m.console_log}" for m in self.machines.values())

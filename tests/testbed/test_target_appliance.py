@@ -5,7 +5,9 @@ written into its seed partition, and the node (the testbed image, no roles: it o
 nvme-cli and soft-RoCE) connects to it over NVMe-oF/RDMA on the testbed's fabric link. No
 Ansible runs: the appliance serves from its seed alone. A broken seed boots a second appliance
 VM that must export nothing and name the field on its console. Every qemu is stopped by PID,
-console logs are kept under the test's folder.
+console logs are kept under the test's folder. Last, site.yml manages the booted appliance from
+the testbed's own inventory (the target declared an appliance) and must change its seed and
+nothing else.
 
 Cost (2 cores, TCG): cold ~2 min for the appliance image (+ the testbed image when not cached),
 then about 3 OVMF/TCG boots; warm: the boots only.
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from kvlab.images import build as images
 from kvlab.images import target as target_image
@@ -216,6 +220,73 @@ def test_a_host_not_in_the_seed_is_refused(target, node):
         f"nvme connect -t rdma -a 10.77.0.1 -s 4420 -n {STORE_NQN} --hostnqn={STRANGER_NQN}", timeout=120
     )
     node.fail(f"grep -ls {STORE_NQN} /sys/class/nvme/nvme*/subsysnqn")
+
+
+SEED_FILE = "/var/lib/kvlab-seed/nvmet.json"
+
+
+def changed_tasks(output: str, host: str) -> list[str]:
+    """The tasks and handlers (role : name) that reported `changed` on `host`, in run order."""
+    changed: list[str] = []
+    task = ""
+    for line in output.splitlines():
+        if m := re.match(r"^(?:TASK|RUNNING HANDLER) \[(.+?)\]", line):
+            task = m.group(1)
+        elif line.startswith(f"changed: [{host}]") and task not in changed:
+            changed.append(task)
+    return changed
+
+
+def appliance_inventory(fleet: Fleet, image_dir: Path, target: Machine, node: Machine, root: Path) -> Path:
+    """The committed testbed inventory for these two VMs, its target declared an appliance."""
+    state = tb.State(name="appliance", transport="rdma", image_dir=str(image_dir), fabric_port=fleet.fabric_port,
+                     key=str(fleet.key), machines=[target.state, node.state])  # fmt: skip
+    hosts_file = tb.write_inventory(state, root / "hosts.yml")
+    hosts = yaml.safe_load(hosts_file.read_text())
+    hosts["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["nvmeof_target_appliance"] = True
+    hosts_file.write_text(yaml.safe_dump(hosts, sort_keys=False))
+    return hosts_file
+
+
+def test_site_yml_changes_the_seed_and_nothing_else(fleet, appliance_image, target, node, playbook, tmp_path):
+    target.wait_for_unit("kvlab-nvmet-export.service", timeout=300)
+    inventory = appliance_inventory(fleet, appliance_image, target, node, tmp_path / "inventory")
+    before = target.succeed(f"sha256sum {SEED_FILE}").split()[0]
+    target.succeed("touch /run/kvlab-before-site && sleep 1")  # -newer compares whole seconds on tmpfs too
+    res = playbook(inventory, "playbooks/site.yml", "--limit", "target")
+    assert res.returncode == 0, f"{res.stdout[-6000:]}\n{res.stderr[-2000:]}"
+    # the role recognised the appliance: its seed rewritten and applied, nothing installed
+    assert changed_tasks(res.stdout, "target") == [
+        "nvmeof_target : Write the seed", "nvmeof_target : Restart kvlab-nvmet"
+    ], res.stdout[-6000:]
+    # and on the machine no file changed but the seed (the root and /etc are read-only; the
+    # journal and systemd's own state under /var are the units' restart, not the role; the
+    # seed is a partition of its own, mounted in /var)
+    written = target.succeed(
+        f"find /var {os.path.dirname(SEED_FILE)} /tmp /root /srv /home -xdev -type f -newer /run/kvlab-before-site "
+        "-not -path '/var/log/journal/*' -not -path '/var/lib/systemd/*' 2>/dev/null || true"
+    ).split()
+    assert written == [SEED_FILE], written
+    assert target.succeed(f"sha256sum {SEED_FILE}").split()[0] != before
+    seed = json.loads(target.succeed(f"cat {SEED_FILE}"))
+    assert [s["nqn"] for s in seed["subsystems"]] == [STORE_NQN]
+    assert seed["subsystems"][0]["allowed_hosts"] == [NODE_NQN]
+    # the exports are the role's seed, applied by the appliance's own units
+    target.wait_for_unit("kvlab-nvmet-export.service", timeout=300)
+    base = "/sys/kernel/config/nvmet"
+    assert target.succeed(f"ls {base}/subsystems").split() == [STORE_NQN]
+    assert target.succeed(f"ls {base}/subsystems/{STORE_NQN}/allowed_hosts").split() == [NODE_NQN]
+    ns = f"{base}/subsystems/{STORE_NQN}/namespaces/1"
+    assert target.succeed(f"readlink -f $(cat {ns}/device_path)") == target.succeed(f"readlink -f {DATA_DEVICE}")
+    node.succeed(f"nvme connect -t rdma -a 10.77.0.1 -s 4420 -n {STORE_NQN} --hostnqn={NODE_NQN}", timeout=120)
+    try:
+        node.wait_until_succeeds(f"grep -l {STORE_NQN} /sys/class/nvme/nvme*/subsysnqn", timeout=60)
+    finally:
+        node.execute(f"nvme disconnect -n {STORE_NQN}")
+    # a second run finds nothing to change
+    again = playbook(inventory, "playbooks/site.yml", "--limit", "target")
+    assert again.returncode == 0, again.stdout[-6000:]
+    assert changed_tasks(again.stdout, "target") == [], again.stdout[-6000:]
 
 
 def _exports_nothing(m: Machine) -> None:
