@@ -83,11 +83,11 @@ def key_of(i: int) -> str:
 
 
 def write_objects(
-    store, shape, ns: str, n_objects: int, expected, torch, seed: int
+    store, memory, shape, ns: str, n_objects: int, expected, torch, seed: int
 ) -> tuple[list[str], float]:  # type: ignore[no-untyped-def]
-    """Write n_objects from device memory through the store's GDS save path (each section
-    checksummed on the device, written by store.device_io); `expected` gets every section's
-    payload, on the device."""
+    """Write n_objects from device memory through the store's GDS save path (`memory`, a
+    store.DeviceMemory: each section checksummed on the device, written by its device_io);
+    `expected` gets every section's payload, on the device."""
     device = expected.device
     n, stride = shape.n_sections, shape.stride
     slots = torch.zeros(n, stride, dtype=torch.uint8, device=device)
@@ -103,7 +103,7 @@ def write_objects(
         sync()  # the store checksums and kvikio writes from streams of their own
         writer = store.begin_write(ns, key, shape, num_tokens=4096, tag=0)
         for s in range(n):
-            writer.submit_device_section(s, slots[s], lambda ok: None)
+            writer.submit_section(s, slots[s], lambda ok: None, memory)
         if not writer.done.result(timeout=120):
             fail(2, f"the store could not commit object {i} in {store.drives}: is the folder writable?")
         keys.append(key)
@@ -111,26 +111,25 @@ def write_objects(
     return keys, time.perf_counter() - t0
 
 
-def restore_device(store, shape, ns: str, keys: list[str], dst) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+def restore_device(store, memory, shape, ns: str, keys: list[str], dst) -> tuple[float, int]:  # type: ignore[no-untyped-def]
     """Every section of every object straight into device memory through the store's GDS
-    read path (store.submit_read_sections_device: what the engine's loads call), each
+    read path (store.submit_read_sections into `memory`: what the engine's loads call), each
     verified on the device. dst: one row of shape.stride bytes per section."""
     n = shape.n_sections
     t0 = time.perf_counter()
     waits, handles = [], []
     for i, key in enumerate(keys):
-        h = store.open_object_device(ns, key, shape)
+        h = store.open_object(ns, key, shape, memory)
         if h is None:
             fail(1, f"object {key} vanished from {store.drives}")
         handles.append(h)
         rows = [dst[i * n + s] for s in range(n)]
-        waits.append(store.submit_read_sections_device(h, ns, key, shape, list(range(n)), rows))
+        waits.append(store.submit_read_sections(h, ns, key, shape, list(range(n)), rows, memory=memory))
     bad = sum(not ok for w in waits for ok in w.result(timeout=300))
     sync()
     seconds = time.perf_counter() - t0
     for h in handles:
-        for f in h:
-            f.close()
+        memory.close(h)
     return seconds, bad
 
 
@@ -362,7 +361,7 @@ def flip_byte(path: Path, at: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def damaged_restore(store, shape, ns: str, key: str, expected, torch) -> dict:  # type: ignore[no-untyped-def]
+def damaged_restore(store, memory, shape, ns: str, key: str, expected, torch) -> dict:  # type: ignore[no-untyped-def]
     """One payload byte of section 1 flipped on the drive: restoring the object into device
     memory must fail that section (verified on the device) and deliver every other one."""
     n = shape.n_sections
@@ -370,15 +369,14 @@ def damaged_restore(store, shape, ns: str, key: str, expected, torch) -> dict:  
     flip_byte(store.fragment_path(ns, key, shape, frag), offset + 4096)
     dst = torch.zeros(n, shape.stride, dtype=torch.uint8, device=expected.device)
     sync()
-    handles = store.open_object_device(ns, key, shape)
+    handles = store.open_object(ns, key, shape, memory)
     if handles is None:
         return {"failed_sections": "the whole object vanished", "others_byte_for_byte": False}
-    oks = store.submit_read_sections_device(handles, ns, key, shape, list(range(n)), list(dst)).result(
+    oks = store.submit_read_sections(handles, ns, key, shape, list(range(n)), list(dst), memory=memory).result(
         timeout=60
     )
     sync()
-    for h in handles:
-        h.close()
+    memory.close(handles)
     return {
         "failed_sections": [s for s, ok in enumerate(oks) if not ok],
         "others_byte_for_byte": all(
@@ -479,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         else False,
     }
     from kvlab_connector.io_gds import DeviceIO, PosixFile, probe_gds
-    from kvlab_connector.store import ObjectShape, Store
+    from kvlab_connector.store import DeviceMemory, ObjectShape, Store
 
     if dry:
         report |= {"cufile": {"probe": "skipped (--cpu-dry-run)"}, "kvikio": "none"}
@@ -518,19 +516,19 @@ def main(argv: list[str] | None = None) -> int:
         capacity_bytes=2 * n_objects * shape.object_bytes + (1 << 30),
         io_threads=args.threads,
     )
-    store.device_io = device_io
+    memory = DeviceMemory(device_io)
     report["store_io_mode"] = store.io_mode
     try:
         expected = torch.empty(n_rows, shape.section_bytes, dtype=torch.uint8, device=device)
         step(f"writing {n_objects} objects ({total / 2**30:.2f} GiB) from {device} memory")
-        keys, write_s = write_objects(store, shape, ns, n_objects, expected, torch, seed=20261129)
+        keys, write_s = write_objects(store, memory, shape, ns, n_objects, expected, torch, seed=20261129)
         from kvlab_connector.osutil import drop_page_cache
 
         report["page_cache_dropped"] = drop_page_cache()
         dst = torch.zeros(n_rows, shape.stride, dtype=torch.uint8, device=device)
         sync()  # zeroed before kvikio (its own streams) writes into it
         step(f"restoring them into {device} memory ({device_io.mode})")
-        gpu_s, gpu_bad = restore_device(store, shape, ns, keys, dst)
+        gpu_s, gpu_bad = restore_device(store, memory, shape, ns, keys, dst)
         same = bool(torch.equal(dst[:, : shape.section_bytes], expected))
         if not same:
             diff = (dst[:, : shape.section_bytes] != expected).reshape(-1).to(torch.uint8)
@@ -541,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         h2d_s, copied = pinned_copy(expected.reshape(-1), torch)
         same_copy = bool(torch.equal(copied, expected.reshape(-1)))
         step("one section damaged on the drive: its restore into device memory must fail, alone")
-        damage = damaged_restore(store, shape, ns, keys[0], expected[: shape.n_sections], torch)
+        damage = damaged_restore(store, memory, shape, ns, keys[0], expected[: shape.n_sections], torch)
         engine = []
         # kvikio's path (io_engine gds; in a dry run auto with the POSIX stand-in), then
         # the page-locked host ring.

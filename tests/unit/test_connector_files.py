@@ -55,7 +55,7 @@ MEMORY_CHOSEN_IN = {
     "ring.py": {"DeviceRing.__init__"},
     "checksum.py": {"wsum64_tensor"},
     "io_gds.py": {"DeviceIO._round_trips", "PosixFile._view"},
-    "store_writer.py": {"ObjectWriter.submit_device_section"},  # kvikio writes from its own stream
+    "store_memory.py": {"DeviceMemory.seal"},  # kvikio writes from its own stream
 }
 
 
@@ -110,3 +110,12 @@ def test_host_or_gpu_memory_is_chosen_only_where_a_medium_is_built(path: Path) -
     allowed = MEMORY_CHOSEN_IN.get(path.name, set())
     stray = [f"{scope or '<module>'}:{line}" for scope, line in memory_choices(path) if scope not in allowed]
     assert stray == [], f"{path.name} chooses between host and GPU memory outside a medium's construction: {stray}"
+
+
+def test_the_store_has_one_call_per_job_for_either_memory() -> None:
+    """Host and device memory go through the same store calls (store_memory.SectionMemory
+    names the memory), not through a pair of calls per job."""
+    from kvlab_connector.store import ObjectWriter, Store
+
+    paired = [f"{cls.__name__}.{n}" for cls in (Store, ObjectWriter) for n in dir(cls) if "device" in n and n != "device_file"]
+    assert paired == []

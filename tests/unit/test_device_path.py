@@ -22,7 +22,7 @@ from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.io_gds import DeviceIO, PosixFile
 from kvlab_connector.ring import DeviceRing, StagingRing
 from kvlab_connector.scheduler import ChunkIO
-from kvlab_connector.store import MAGIC_WSUM, MAGIC_XXH3, ObjectShape, Store
+from kvlab_connector.store import MAGIC_WSUM, MAGIC_XXH3, DeviceMemory, ObjectShape, Store
 from kvlab_connector.worker import WorkerSide
 
 NS = "cd" * 16
@@ -37,10 +37,12 @@ def payload(i: int, s: int) -> np.ndarray:
     return np.random.default_rng(i * 100 + s).integers(0, 256, SHAPE.section_bytes, dtype=np.uint8)
 
 
+# Device memory as the GDS path sees it, on the CPU: torch tensors moved by posix reads
+DEVICE = DeviceMemory(DeviceIO(PosixFile, "posix-stand-in"))
+
+
 def device_store(tmp_path: Path) -> Store:
-    store = Store([tmp_path / "d0", tmp_path / "d1"], 1 << 30)
-    store.device_io = DeviceIO(PosixFile, "posix-stand-in")
-    return store
+    return Store([tmp_path / "d0", tmp_path / "d1"], 1 << 30)
 
 
 def put_device(store: Store, ring: DeviceRing, i: int) -> bool:
@@ -48,18 +50,18 @@ def put_device(store: Store, ring: DeviceRing, i: int) -> bool:
     for s in range(SHAPE.n_sections):
         slot = ring.acquire(timeout_s=10)
         ring.tensor(slot)[:SHAPE.section_bytes] = torch.from_numpy(payload(i, s))
-        w.submit_device_section(s, ring.tensor(slot), lambda ok, slot=slot: ring.release(slot))
+        w.submit_section(s, ring.tensor(slot), lambda ok, slot=slot: ring.release(slot), DEVICE)
     return w.done.result(timeout=30)
 
 
 def get_device(store: Store, ring: DeviceRing, i: int) -> list[bytes | None]:
-    handles = store.open_object_device(NS, key(i), SHAPE)
+    handles = store.open_object(NS, key(i), SHAPE, DEVICE)
     if handles is None:
         return [None] * SHAPE.n_sections
     slots = [ring.acquire(timeout_s=10) for _ in range(SHAPE.n_sections)]
     try:
-        oks = store.submit_read_sections_device(
-            handles, NS, key(i), SHAPE, list(range(SHAPE.n_sections)), [ring.tensor(s) for s in slots]
+        oks = store.submit_read_sections(
+            handles, NS, key(i), SHAPE, list(range(SHAPE.n_sections)), [ring.tensor(s) for s in slots], memory=DEVICE
         ).result(timeout=30)
         return [bytes(ring.tensor(s, SHAPE.section_bytes).numpy()) if ok else None for s, ok in zip(slots, oks, strict=True)]
     finally:

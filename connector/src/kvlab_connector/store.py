@@ -5,7 +5,9 @@ striped over the drives, each verified when read. The store's jobs, a module eac
 
 - store_format: how objects are cut and named on the drives, and each section's trailer;
 - store_writer: an object's sections written as they come, committed by renames;
-- store_reader: the read paths, host memory or (GDS) device memory, verifying every section;
+- store_reader: the read paths, verifying every section;
+- store_memory: what reads land in and writes come from, one interface: HOST (any host
+  buffer) or DeviceMemory (GDS: device memory through kvikio), named by the caller;
 - store_ledger: the capacity bound shared by every process, eviction, the start-up rebuild.
 
 `Store` ties them to one set of drives; this module's names are the store's public API.
@@ -18,7 +20,6 @@ import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from kvlab_connector.config import is_positive_int
 from kvlab_connector.io_posix import PosixEngine, supports_o_direct
@@ -32,14 +33,15 @@ from kvlab_connector.store_format import (
     pack_trailer,
 )
 from kvlab_connector.store_ledger import LOW_WATER, Ledger, ObjectId, ScanResult
-from kvlab_connector.store_reader import READ_REQUEST_BYTES, OpenObject, ReadPaths
+from kvlab_connector.store_memory import HOST, DeviceMemory, OpenObject, SectionMemory
+from kvlab_connector.store_reader import READ_REQUEST_BYTES, ReadPaths
 from kvlab_connector.store_stats import StoreStats
 from kvlab_connector.store_writer import ObjectWriter
 
 __all__ = [
-    "IO_THREADS_PER_DRIVE", "LOW_WATER", "MAGIC_WSUM", "MAGIC_XXH3", "READ_REQUEST_BYTES", "ROOT_NAME",
-    "TRAILER_BYTES", "ObjectId", "ObjectShape", "ObjectWriter", "OpenObject", "ScanResult", "Store",
-    "StoreStats", "check_name", "pack_trailer",
+    "HOST", "IO_THREADS_PER_DRIVE", "LOW_WATER", "MAGIC_WSUM", "MAGIC_XXH3", "READ_REQUEST_BYTES", "ROOT_NAME",
+    "TRAILER_BYTES", "DeviceMemory", "ObjectId", "ObjectShape", "ObjectWriter", "OpenObject", "ScanResult",
+    "SectionMemory", "Store", "StoreStats", "check_name", "pack_trailer",
 ]
 
 # I/O threads per drive when none are configured: each thread keeps one request in flight,
@@ -92,9 +94,6 @@ class Store(ReadPaths):
         self._lock = threading.Lock()
         self.ledger = Ledger(self.drives, capacity_bytes, self.stats, self._lock)
         self._writers: weakref.WeakSet[ObjectWriter] = weakref.WeakSet()
-        # GPU engines with GDS: sections move between drives and device memory through
-        # this (io_gds.DeviceIO); None: host memory only.
-        self.device_io: Any = None
 
     @property
     def io_mode(self) -> str:

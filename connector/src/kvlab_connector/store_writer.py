@@ -20,15 +20,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
 from kvlab_connector import metrics
-from kvlab_connector.checksum import wsum64_tensor
-from kvlab_connector.io_gds import side_stream
-from kvlab_connector.io_posix import pwritev_full
-from kvlab_connector.ring import align_up
-from kvlab_connector.store_format import MAGIC_WSUM, MAGIC_XXH3, TRAILER_BYTES, ObjectShape, pack_trailer
+from kvlab_connector.store_format import ObjectShape
 from kvlab_connector.store_ledger import unlink_quietly
+from kvlab_connector.store_memory import HOST, SectionMemory
 
 if TYPE_CHECKING:
     from kvlab_connector.store import Store
@@ -39,44 +34,13 @@ MAX_WRITE_BYTES = 8 << 20
 MAX_WRITE_BUFFERS = 256
 
 
-class _WriteMedium:
-    """How a queued section's memory reaches its fragment file: chosen once, by the call that
-    submits it (submit_section: host memory; submit_device_section: device memory)."""
-
-    merges: bool  # adjacent sections of this medium go out as one request
-
-    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[_QueuedWrite]) -> bool:
-        raise NotImplementedError
-
-
-class _HostWrites(_WriteMedium):
-    merges = True  # one vectored pwritev for a run of adjacent slots
-
-    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[_QueuedWrite]) -> bool:
-        return pwritev_full(fd, [q.buf for q in run], run[0].offset) == sum(q.nbytes for q in run)
-
-
-class _DeviceWrites(_WriteMedium):
-    merges = False  # device slots are not adjacent in memory; kvikio splits a request itself
-
-    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[_QueuedWrite]) -> bool:
-        (q,) = run
-        io = writer.store.device_io
-        if writer._device_files[frag] is None:
-            writer._device_files[frag] = io.open(writer.tmp[frag], "r+")
-        return io.pwrite(writer._device_files[frag], q.buf, q.nbytes, q.offset) == q.nbytes
-
-
-HOST_WRITES, DEVICE_WRITES = _HostWrites(), _DeviceWrites()
-
-
 @dataclass(frozen=True)
-class _QueuedWrite:
+class QueuedWrite:
     offset: int
-    buf: Any  # what `medium` writes: a host memoryview or a device tensor, shape.stride bytes
+    buf: Any  # shape.stride bytes in `memory`: a host memoryview or a device tensor
     nbytes: int
     on_done: Callable[[bool], None]
-    medium: _WriteMedium
+    memory: SectionMemory
 
 
 class ObjectWriter:
@@ -105,7 +69,7 @@ class ObjectWriter:
         self._n_submitted = 0
         self._in_flight = 0
         self._finished = False  # commit or discard has begun: exactly once
-        self._queued: list[list[_QueuedWrite]] = [[] for _ in range(self.nfrag)]
+        self._queued: list[list[QueuedWrite]] = [[] for _ in range(self.nfrag)]
         self._draining = [False] * self.nfrag
         self._failed = False
         self._out_of_space = False
@@ -146,58 +110,28 @@ class ObjectWriter:
             self._fds[frag] = fd
         return fd
 
-    def fill_trailer(self, section: int, buf: memoryview) -> None:
-        """Write the section's trailer into its slot after the payload."""
-        shape = self.shape
-        pay = align_up(shape.section_bytes)
-        checksum = xxhash.xxh3_64_intdigest(buf[:shape.section_bytes])
-        buf[pay:pay + TRAILER_BYTES] = pack_trailer(
-            self.ns, self.key, shape, section, self.num_tokens, self.tag, self.write_id, MAGIC_XXH3, checksum
-        )
-
-    def submit_section(self, section: int, buf: memoryview, on_done: Callable[[bool], None]) -> None:
-        """Checksum and queue a section whose payload is in buf[:section_bytes] (a writable
-        buffer of at least shape.stride bytes); on_done(ok) runs when the slot may be reused,
-        also when the section is refused (ValueError: the writer then fails)."""
-        try:
-            view = memoryview(buf).cast("B")
-        except (TypeError, ValueError):
-            view = None
-        problem = None
-        if view is None:
-            problem = f"section {section!r}: {type(buf).__name__} is not a contiguous buffer"
-        elif view.readonly:
-            problem = f"section {section!r}: the buffer is read-only"
-        if not self._admit(section, view.nbytes if view is not None else 0, problem, on_done):
+    def submit_section(
+        self, section: int, buf: Any, on_done: Callable[[bool], None], memory: SectionMemory = HOST
+    ) -> None:
+        """Checksum and queue a section whose payload is in buf[:section_bytes] (at least
+        shape.stride bytes of `memory`, writable); on_done(ok) runs when the buffer may be
+        reused, also when the section is refused (ValueError: the writer then fails)."""
+        view, nbytes, problem = memory.section(section, buf)
+        if not self._admit(section, nbytes, problem, on_done):
             return
         try:
-            self.fill_trailer(section, view)  # type: ignore[arg-type]
+            memory.seal(self, section, view)
         except Exception:
             self._unadmit(on_done)
             raise
-        self._queue(section, view[:self.shape.stride], on_done, HOST_WRITES)  # type: ignore[index]
+        self._queue(section, view[:self.shape.stride], on_done, memory)
 
-    def submit_device_section(self, section: int, slot: Any, on_done: Callable[[bool], None]) -> None:
-        """The same for a section in device memory (a uint8 tensor of shape.stride bytes,
-        its payload ready): checksummed on the device, written by the store's device_io."""
-        if not self._admit(section, int(slot.numel()), None, on_done):
-            return
-        import torch
-
-        shape = self.shape
-        pay = align_up(shape.section_bytes)
-        try:
-            with side_stream(slot.device):
-                checksum = wsum64_tensor(slot[:shape.section_bytes])
-                trailer = pack_trailer(self.ns, self.key, shape, section, self.num_tokens, self.tag, self.write_id,
-                                       MAGIC_WSUM, checksum)
-                slot[pay:pay + TRAILER_BYTES].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
-                if slot.is_cuda:
-                    torch.cuda.current_stream().synchronize()  # kvikio writes from its own stream
-        except Exception:
-            self._unadmit(on_done)
-            raise
-        self._queue(section, slot[:shape.stride], on_done, DEVICE_WRITES)
+    def device_file(self, frag: int, device_io: Any) -> Any:
+        """The fragment's temporary file as a device_io handle, opened at its first device
+        write (after _open created it; one drain per file at a time)."""
+        if self._device_files[frag] is None:
+            self._device_files[frag] = device_io.open(self.tmp[frag], "r+")
+        return self._device_files[frag]
 
     def _admit(self, section: object, nbytes: int, problem: str | None, on_done: Callable[[bool], None]) -> bool:
         """Whether a section goes to the drives. A misused one (an index outside the shape
@@ -242,10 +176,10 @@ class ObjectWriter:
             return True
         return False
 
-    def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None], medium: _WriteMedium) -> None:
+    def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None], memory: SectionMemory) -> None:
         frag, offset = self.store.placement(self.key, self.shape, section)
         with self._lock:
-            self._queued[frag].append(_QueuedWrite(offset, buf, self.shape.stride, on_done, medium))
+            self._queued[frag].append(QueuedWrite(offset, buf, self.shape.stride, on_done, memory))
             start = not self._draining[frag]
             self._draining[frag] = True
         if start:
@@ -268,14 +202,14 @@ class ObjectWriter:
             for run in _contiguous_runs(items):
                 self._write_run(frag, run)
 
-    def _write_run(self, frag: int, run: list[_QueuedWrite]) -> None:
+    def _write_run(self, frag: int, run: list[QueuedWrite]) -> None:
         store = self.store
         nbytes = sum(q.nbytes for q in run)
         ok = False
         t0 = time.perf_counter()
         if not self._failed:
             try:
-                ok = run[0].medium.write(self, frag, self._open(frag), run)
+                ok = run[0].memory.write(self, frag, self._open(frag), run)
             except Exception as e:  # an I/O error (or a device error): the object is not written
                 ok = False
                 if isinstance(e, OSError) and e.errno in _NO_SPACE:
@@ -384,7 +318,7 @@ class ObjectWriter:
             self.done.set_result(True)
 
 
-def _contiguous_runs(items: list[_QueuedWrite]) -> Iterator[list[_QueuedWrite]]:
+def _contiguous_runs(items: list[QueuedWrite]) -> Iterator[list[QueuedWrite]]:
     """Split offset-sorted writes into runs that are adjacent on the drive and fit one
     request. Host buffers merge into one vectored write; a device section goes alone
     (kvikio splits a request over its own threads)."""
@@ -392,7 +326,7 @@ def _contiguous_runs(items: list[_QueuedWrite]) -> Iterator[list[_QueuedWrite]]:
     size = items[0].nbytes
     for it in items[1:]:
         prev = run[-1]
-        joins = (it.medium is prev.medium and it.medium.merges and prev.offset + prev.nbytes == it.offset
+        joins = (it.memory is prev.memory and it.memory.merges_writes and prev.offset + prev.nbytes == it.offset
                  and size + it.nbytes <= MAX_WRITE_BYTES and len(run) < MAX_WRITE_BUFFERS)
         if joins:
             run.append(it)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -29,47 +28,51 @@ from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.io_gds import side_stream
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import DeviceRing, StagingRing
-from kvlab_connector.store import ObjectShape, ObjectWriter, Store
+from kvlab_connector.store import (
+    HOST,
+    DeviceMemory,
+    ObjectShape,
+    ObjectWriter,
+    OpenObject,
+    SectionMemory,
+    Store,
+)
 
 log = logging.getLogger("vllm.kvlab_connector")
 
 
 class Medium(ABC):
-    """Ring slots in one kind of memory, and the store's calls that fill and drain them.
-
-    Each medium binds the store's calls for its memory (`_open_object`, `_read_sections`,
-    `_write_section`) and says what a slot is to them (`handle`)."""
+    """Ring slots in one kind of memory, and the store's memory (store_memory.py) that
+    fills and drains them."""
 
     ring: StagingRing | DeviceRing
-    _open_object: Callable[[str, str, ObjectShape], Any]
-    _read_sections: Callable[..., Future[list[bool]]]
-    _write_section: Callable[[ObjectWriter, int, Any, Callable[[bool], None]], None]
+    memory: SectionMemory
 
     def __init__(self, store: Store):
         self.store = store
 
     @abstractmethod
     def handle(self, slot: int) -> Any:
-        """A slot as the store's calls for this medium take it."""
+        """A slot as the store's memory takes it."""
 
     @abstractmethod
     def slot_bytes(self, slot: int, nbytes: int) -> torch.Tensor:
         """A slot's first `nbytes` as a uint8 tensor (a view, no copy)."""
 
     @abstractmethod
-    def close(self, files: list[Any]) -> None: ...
-
-    @abstractmethod
     def sections_per_read(self, shape: ObjectShape, n_layers: int) -> int:
         """Adjacent sections one read request may fill."""
 
-    def open(self, ns: str, key: str, shape: ObjectShape) -> list[Any] | None:
+    def open(self, ns: str, key: str, shape: ObjectShape) -> OpenObject | None:
         """An object's fragment files, opened for reads into this medium; None: a miss."""
-        return self._open_object(ns, key, shape)
+        return self.store.open_object(ns, key, shape, self.memory)
+
+    def close(self, files: OpenObject) -> None:
+        self.memory.close(files)
 
     def submit_reads(
         self,
-        files: list[Any],
+        files: OpenObject,
         ns: str,
         key: str,
         shape: ObjectShape,
@@ -78,13 +81,14 @@ class Medium(ABC):
         tag: int,
     ) -> Future[list[bool]]:
         """Read the adjacent sections `run` into `slots`, one request; each verified."""
-        return self._read_sections(files, ns, key, shape, run, [self.handle(s) for s in slots], tag)
+        return self.store.submit_read_sections(files, ns, key, shape, run, [self.handle(s) for s in slots], tag,
+                                               self.memory)  # fmt: skip
 
     def submit_section(
         self, writer: ObjectWriter, section: int, slot: int, on_done: Callable[[bool], None]
     ) -> None:
         """Hand a filled slot to an object's writer."""
-        self._write_section(writer, section, self.handle(slot), on_done)
+        writer.submit_section(section, self.handle(slot), on_done, self.memory)
 
     def host_address(self, slot: int) -> int:
         """A slot's host address, for the CPU engine's memmove copies (PagedCache.direct_copy)."""
@@ -98,9 +102,7 @@ class HostMedium(Medium):
     def __init__(self, store: Store, ring: StagingRing):
         super().__init__(store)
         self.ring: StagingRing = ring
-        self._open_object = store.open_object
-        self._read_sections = store.submit_read_sections
-        self._write_section = ObjectWriter.submit_section
+        self.memory = HOST
 
     def handle(self, slot: int) -> memoryview:
         return self.ring.buffer(slot)
@@ -111,10 +113,6 @@ class HostMedium(Medium):
     def host_address(self, slot: int) -> int:
         return self.ring.address(slot)
 
-    def close(self, files: list[Any]) -> None:
-        for fd in files:
-            os.close(fd)
-
     def sections_per_read(self, shape: ObjectShape, n_layers: int) -> int:
         # Never more than the ring can lend at once.
         return self.store.sections_per_read(shape, min(n_layers, self.ring.num_slots // 2))
@@ -124,20 +122,13 @@ class DeviceMedium(Medium):
     def __init__(self, store: Store, ring: DeviceRing, device_io: Any):
         super().__init__(store)
         self.ring: DeviceRing = ring
-        store.device_io = device_io
-        self._open_object = store.open_object_device
-        self._read_sections = store.submit_read_sections_device
-        self._write_section = ObjectWriter.submit_device_section
+        self.memory = DeviceMemory(device_io)
 
     def handle(self, slot: int) -> Any:
         return self.ring.tensor(slot)
 
     def slot_bytes(self, slot: int, nbytes: int) -> torch.Tensor:
         return self.ring.tensor(slot, nbytes)
-
-    def close(self, files: list[Any]) -> None:
-        for f in files:
-            f.close()
 
     def sections_per_read(self, shape: ObjectShape, n_layers: int) -> int:
         return 1  # device slots are not adjacent; kvikio splits each request itself

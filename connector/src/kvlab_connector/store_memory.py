@@ -1,0 +1,255 @@
+"""The memory a section is read into or written from, as the store sees it: one interface,
+two implementations, chosen once by whoever owns the memory (the worker's medium,
+worker_media.py) and handed to every store call that touches section bytes.
+
+- HOST: any host buffer (the staging ring, a bench's buffers). Files are plain descriptors
+  (O_DIRECT where the drive takes it); adjacent sections are read and written with one
+  vectored request; sections carry xxh3 checksums.
+- DeviceMemory(device_io): device memory (GDS through kvikio, or its CPU stand-in in the
+  tests). Files are device_io handles; each section is one request (kvikio splits it over
+  its own threads); sections are checksummed where they are, with wsum64 on the device.
+
+A section written from either memory reads back into either: its trailer says which
+checksum it carries.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from kvlab_connector.checksum import wsum64, wsum64_tensor
+from kvlab_connector.io_gds import side_stream
+from kvlab_connector.io_posix import pwritev_full
+from kvlab_connector.ring import align_up
+from kvlab_connector.store_format import (
+    MAGIC_WSUM,
+    MAGIC_XXH3,
+    TRAILER_BYTES,
+    ObjectShape,
+    check_trailer,
+    pack_trailer,
+)
+
+if TYPE_CHECKING:
+    from kvlab_connector.store import Store
+    from kvlab_connector.store_writer import ObjectWriter, QueuedWrite
+
+
+class OpenObject(list):
+    """The handles of an object's open fragments, and the write its first verified section
+    came from: every later section must come from that write too."""
+
+    __slots__ = ("write_id",)
+
+    def __init__(self, handles: Sequence[Any] = ()):
+        super().__init__(handles)
+        self.write_id: int | None = None
+
+
+class SectionMemory(ABC):
+    merges_writes: bool  # adjacent queued sections go out as one write request
+
+    @abstractmethod
+    def open(self, store: Store, ns: str, key: str, shape: ObjectShape) -> OpenObject | None:
+        """The object's fragments opened for reads into this memory; None (counted missing)
+        if any is missing."""
+
+    @abstractmethod
+    def close(self, obj: OpenObject) -> None: ...
+
+    @abstractmethod
+    def read(
+        self, store: Store, obj: OpenObject, ns: str, key: str, shape: ObjectShape, sections: Sequence[int],
+        bufs: Sequence[Any], tag: int,
+    ) -> Future[list[bool]]:
+        """Read adjacent sections (one of store.read_runs), each into its own buffer of
+        shape.stride bytes; the Future says, per section, whether it verified."""
+
+    @abstractmethod
+    def section(self, section: object, buf: Any) -> tuple[Any, int, str | None]:
+        """A buffer handed to a writer, as this memory writes it: (the buffer, its size,
+        what is wrong with it or None)."""
+
+    @abstractmethod
+    def seal(self, writer: ObjectWriter, section: int, buf: Any) -> None:
+        """Checksum the payload in buf[:section_bytes] and write the trailer after it."""
+
+    @abstractmethod
+    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[QueuedWrite]) -> bool:
+        """Write a run of queued sections to the fragment's temporary file (`fd`: its
+        descriptor); whether every byte went out."""
+
+
+class HostMemory(SectionMemory):
+    merges_writes = True  # one vectored pwritev for a run of adjacent slots
+
+    def open(self, store: Store, ns: str, key: str, shape: ObjectShape) -> OpenObject | None:
+        fds = OpenObject()
+        paths = store.fragment_paths(ns, key, shape)
+        try:
+            for f, path in enumerate(paths):
+                fds.append(store._open_for(f, path, os.O_RDONLY))
+        except OSError:
+            self.close(fds)
+            store.note_missing()
+            return None
+        return fds
+
+    def close(self, obj: OpenObject) -> None:
+        for fd in obj:
+            os.close(fd)
+
+    def read(self, store, obj, ns, key, shape, sections, bufs, tag):  # type: ignore[no-untyped-def]
+        frag, offset = store.placement(key, shape, sections[0])
+        t0 = time.perf_counter()
+        inner = store.engine.submit_readv(obj[frag], [b[:shape.stride] for b in bufs], offset)
+        out: Future[list[bool]] = Future()
+
+        def done(fut: Future[int]) -> None:
+            try:
+                got = fut.result()
+                # A short read (a truncated fragment) still verifies the sections it filled.
+                oks = [
+                    got >= (i + 1) * shape.stride and self._verify(store, buf, ns, key, shape, s, tag, obj)
+                    for i, (s, buf) in enumerate(zip(sections, bufs, strict=True))
+                ]
+            except Exception:  # an I/O error, or anything else: those sections are misses
+                oks = [False] * len(sections)
+            store._note_read(t0, oks, shape)
+            out.set_result(oks)
+
+        inner.add_done_callback(done)
+        return out
+
+    @staticmethod
+    def _verify(store: Store, buf: memoryview, ns: str, key: str, shape: ObjectShape, section: int, tag: int,
+                obj: OpenObject) -> bool:  # fmt: skip
+        pay = align_up(shape.section_bytes)
+        checked = check_trailer(bytes(buf[pay:pay + TRAILER_BYTES]), ns, key, shape, section, tag)
+        if checked is None:
+            return False
+        magic, write_id, expected = checked
+        payload = buf[:shape.section_bytes]
+        actual = xxhash.xxh3_64_intdigest(payload) if magic == MAGIC_XXH3 else wsum64(payload)
+        return store._checksum_matches(actual, expected) and store._same_write(obj, write_id)
+
+    def section(self, section: object, buf: Any) -> tuple[Any, int, str | None]:
+        try:
+            view = memoryview(buf).cast("B")
+        except (TypeError, ValueError):
+            return None, 0, f"section {section!r}: {type(buf).__name__} is not a contiguous buffer"
+        if view.readonly:
+            return view, view.nbytes, f"section {section!r}: the buffer is read-only"
+        return view, view.nbytes, None
+
+    def seal(self, writer: ObjectWriter, section: int, buf: memoryview) -> None:
+        shape = writer.shape
+        pay = align_up(shape.section_bytes)
+        checksum = xxhash.xxh3_64_intdigest(buf[:shape.section_bytes])
+        buf[pay:pay + TRAILER_BYTES] = pack_trailer(
+            writer.ns, writer.key, shape, section, writer.num_tokens, writer.tag, writer.write_id, MAGIC_XXH3,
+            checksum,
+        )  # fmt: skip
+
+    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[QueuedWrite]) -> bool:
+        return pwritev_full(fd, [q.buf for q in run], run[0].offset) == sum(q.nbytes for q in run)
+
+
+class DeviceMemory(SectionMemory):
+    merges_writes = False  # device slots are not adjacent in memory; kvikio splits a request itself
+
+    def __init__(self, device_io: Any):
+        self.device_io = device_io  # io_gds.DeviceIO: kvikio, or io_gds.PosixFile in the tests
+
+    def open(self, store: Store, ns: str, key: str, shape: ObjectShape) -> OpenObject | None:
+        handles = OpenObject()
+        paths = store.fragment_paths(ns, key, shape)  # a malformed name is the caller's error, not a miss
+        try:
+            for path in paths:
+                handles.append(self.device_io.open(path, "r"))
+        except Exception:  # kvikio reports a missing file as a RuntimeError
+            self.close(handles)
+            store.note_missing()
+            return None
+        return handles
+
+    def close(self, obj: OpenObject) -> None:
+        for h in obj:
+            h.close()
+
+    def read(self, store, obj, ns, key, shape, sections, bufs, tag):  # type: ignore[no-untyped-def]
+        out: Future[list[bool]] = Future()
+        oks = [False] * len(sections)
+        left = [len(sections)]
+        t0 = time.perf_counter()
+
+        def one(i: int) -> None:
+            s = sections[i]
+            frag, offset = store.placement(key, shape, s)
+            try:
+                got = self.device_io.pread(obj[frag], bufs[i], shape.stride, offset)
+                with side_stream(bufs[i].device):
+                    ok = got == shape.stride and self._verify(store, bufs[i], ns, key, shape, s, tag, obj)
+            except Exception:  # an I/O error, or anything else: a miss
+                ok = False
+            with store._lock:
+                oks[i] = ok
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                store._note_read(t0, oks, shape)
+                out.set_result(oks)
+
+        for i in range(len(sections)):
+            store.engine.submit(one, i)
+        return out
+
+    @staticmethod
+    def _verify(store: Store, slot: Any, ns: str, key: str, shape: ObjectShape, section: int, tag: int,
+                obj: OpenObject) -> bool:  # fmt: skip
+        """The trailer (one small copy to the host) and the payload's checksum, computed
+        where the payload is: wsum64 on the device; xxh3 (a section written from host
+        memory) needs the payload on the host, once."""
+        pay = align_up(shape.section_bytes)
+        trailer = slot[pay:pay + TRAILER_BYTES].cpu().numpy().tobytes()
+        checked = check_trailer(trailer, ns, key, shape, section, tag)
+        if checked is None:
+            return False
+        magic, write_id, expected = checked
+        payload = slot[:shape.section_bytes]
+        if magic == MAGIC_WSUM:
+            actual = wsum64_tensor(payload)
+        else:
+            actual = xxhash.xxh3_64_intdigest(payload.cpu().numpy())
+        return store._checksum_matches(actual, expected) and store._same_write(obj, write_id)
+
+    def section(self, section: object, buf: Any) -> tuple[Any, int, str | None]:
+        return buf, int(buf.numel()), None
+
+    def seal(self, writer: ObjectWriter, section: int, buf: Any) -> None:
+        import torch
+
+        shape = writer.shape
+        pay = align_up(shape.section_bytes)
+        with side_stream(buf.device):
+            checksum = wsum64_tensor(buf[:shape.section_bytes])
+            trailer = pack_trailer(writer.ns, writer.key, shape, section, writer.num_tokens, writer.tag,
+                                   writer.write_id, MAGIC_WSUM, checksum)  # fmt: skip
+            buf[pay:pay + TRAILER_BYTES].copy_(torch.frombuffer(bytearray(trailer), dtype=torch.uint8))
+            if buf.is_cuda:
+                torch.cuda.current_stream().synchronize()  # kvikio writes from its own stream
+
+    def write(self, writer: ObjectWriter, frag: int, fd: int, run: list[QueuedWrite]) -> bool:
+        (q,) = run
+        handle = writer.device_file(frag, self.device_io)
+        return self.device_io.pwrite(handle, q.buf, q.nbytes, q.offset) == q.nbytes
+
+
+HOST = HostMemory()
