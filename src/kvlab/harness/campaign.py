@@ -23,9 +23,30 @@ __all__ = ["Campaign", "CampaignError", "FileRef", "load", "parse", "resolve_fil
 
 
 class TinyModel(Strict):
-    """The locally generated KV-heavy random-weight model (`kvlab model tiny`)."""
+    """The locally generated random-weight model (`kvlab model tiny`): by default the
+    KV-heavy one (16 KiB/token); `geometry` changes TinyGeometry's fields (a lighter model
+    for long prompts)."""
 
     seed: int = 0
+    geometry: dict[str, Any] = Field(
+        default_factory=dict, description="TinyGeometry fields to change (kvlab.model), e.g. num_hidden_layers")
+
+    @field_validator("geometry")
+    @classmethod
+    def _geometry_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from kvlab.model import TinyGeometry
+
+        try:
+            TinyGeometry(**v).kv_bytes_per_token  # noqa: B018 - validates the dtype too
+        except (TypeError, KeyError) as e:
+            names = ", ".join(f.name for f in dataclasses.fields(TinyGeometry))
+            raise ValueError(f"geometry: {e} (fields: {names})") from None
+        return v
+
+    def tiny_geometry(self) -> Any:
+        from kvlab.model import TinyGeometry
+
+        return TinyGeometry(**self.geometry)
 
 
 class ModelSpec(Strict):

@@ -15,9 +15,6 @@ from kvlab import setups
 from kvlab.harness.campaign import Campaign
 from kvlab.harness.sessions import agent_max_prompt_tokens, generator_max_prompt_tokens
 
-TINY_KV_BYTES_PER_TOKEN = 16384
-
-
 @dataclass(frozen=True)
 class CostModel:
     engine_start_s: float
@@ -79,7 +76,7 @@ def setup_runs_here(name: str, device: str) -> tuple[bool, str | None]:
 def kv_bytes_per_token(c: Campaign) -> int:
     if c.model.kv_bytes_per_token:
         return c.model.kv_bytes_per_token
-    return TINY_KV_BYTES_PER_TOKEN if c.model.tiny else 0
+    return c.model.tiny.tiny_geometry().kv_bytes_per_token if c.model.tiny else 0
 
 
 def _agents_est(c: Campaign, n: int, cm: CostModel, cached: bool, base: Path | None) -> float:

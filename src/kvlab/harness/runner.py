@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,9 +105,12 @@ def resolve_model(c: Campaign) -> tuple[Path, str, dict[str, Any]]:
     if c.model.tiny is not None:
         from kvlab.model import ensure_tiny, tree_sha256
 
-        path = ensure_tiny(seed=c.model.tiny.seed)
+        geometry = c.model.tiny.tiny_geometry()
+        path = ensure_tiny(seed=c.model.tiny.seed, geometry=geometry)
+        # the geometry is the planner's physical input (kv bytes per token, FLOPs per token)
         return path, "tiny", {"kind": "tiny", "seed": c.model.tiny.seed, "path": str(path),
-                              "sha256": tree_sha256(path)}
+                              "sha256": tree_sha256(path), "geometry": dataclasses.asdict(geometry),
+                              "kv_bytes_per_token": geometry.kv_bytes_per_token}
     assert c.model.path is not None
     path = Path(c.model.path)
     if not path.exists():
@@ -160,6 +165,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
     }
     writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
     results.point_latest(runs_dir, run_id)
+    writer.append(drive_limit(work_root))
     steps = [s for p in plans if p.runs for s in p.steps]
     progress = Progress(steps)
     note(f"run {run_id}: {len(steps)} steps, estimate ~{fmt_s(progress.total_est)}; results in {writer.dir}")
@@ -178,6 +184,25 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
         if not keep_stores:
             shutil.rmtree(work_root, ignore_errors=True)
     return writer.dir
+
+
+def drive_limit(work_root: Path) -> dict[str, Any]:
+    """fio's O_DIRECT read and write limit on the stores' filesystem, once per run: the
+    planner's physical input for a restore from the drive (measured, never fitted)."""
+    from kvlab import fio
+
+    where = work_root / "fio"
+    rec: dict[str, Any] = {"kind": "drive_limit", "directory": str(where)}
+    try:
+        for rw in ("read", "write"):
+            gbps, jobs = fio.fio_limit(where, rw, size_mib=256)
+            rec[f"{rw}_gbps"] = gbps
+            rec.setdefault("jobs", []).extend(j.to_dict() for j in jobs)
+    except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"[-500:]
+    finally:
+        fio.cleanup(where)
+    return rec
 
 
 def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, max_prompt: int,
