@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "kvlab.testbed.cli",
     "kvlab.images.cli",
     "kvlab.harness.cli",
+    "kvlab.planner.cli",
 ]
 
 

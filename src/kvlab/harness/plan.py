@@ -15,6 +15,7 @@ from kvlab import setups
 from kvlab.harness.campaign import Campaign
 from kvlab.harness.sessions import agent_max_prompt_tokens, generator_max_prompt_tokens
 
+
 @dataclass(frozen=True)
 class CostModel:
     engine_start_s: float
