@@ -28,6 +28,7 @@ from kvlab.planner.fit import nnls, relative_interval
 from kvlab.planner.geometry import Geometry
 from kvlab.planner.presets import tiny_geometry
 from kvlab.planner.recompute import PrefillCurve
+from kvlab.planner.restore import overlap
 
 
 class CalibrationError(ValueError):
@@ -79,9 +80,7 @@ class Calibration:
             return self.prefill.time(g, n), None, fit
         c = fit.cached(n)
         tail = self.prefill.compute_s(g, n, c)
-        transfer = c * kvb / (fit.gbps * 1e9)
-        overlapped = max(transfer, tail) + min(transfer, tail) / max(1, g.layers)
-        return fit.fixed_s + overlapped, c / n, fit
+        return fit.fixed_s + overlap(c * kvb / (fit.gbps * 1e9), tail, g.layers), c / n, fit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -202,10 +201,21 @@ def fit_tier(cal: Calibration, setup: str, tier: str, ps: list[Point]) -> TierFi
     if not hits:
         return TierFit(setup, tier, 0.0, None, 0, 0, len(ps))
     means = _means(hits)
-    # t - tail = fixed + restored bytes / rate (the tail's compute from the prefill curve)
+    # t = fixed + overlap(restored bytes / rate, tail), the tail's compute from the prefill
+    # curve; the overlap's share beyond the transfer depends on the rate: iterate to a fixed point
     rows = [[1.0, c * kvb] for n, c, _, _ in means]
-    y = [t - cal.prefill.compute_s(g, n, c) for n, c, t, _ in means]
-    fixed, inv = nnls(rows, y, [1 / t**2 for *_, t, _ in means])
+    tails = [cal.prefill.compute_s(g, n, c) for n, c, _, _ in means]
+    fixed, inv = 0.0, 0.0
+    for _ in range(50):
+        extra = [
+            overlap(c * kvb * inv, tail, g.layers) - c * kvb * inv if inv else tail
+            for (_, c, _, _), tail in zip(means, tails, strict=True)
+        ]
+        y = [t - e for (*_, t, _), e in zip(means, extra, strict=True)]
+        new = nnls(rows, y, [1 / t**2 for *_, t, _ in means])
+        if new == [fixed, inv]:
+            break
+        fixed, inv = new
     fit = TierFit(setup, tier, fixed, 1 / (inv * 1e9) if inv > 0 else None, gran, lag, len(hits))
     if fit.gbps is None:  # no length dependence seen: a fixed cost alone
         fit.gbps = math.inf

@@ -67,6 +67,11 @@ def stages(tier: str, node: Node, copy_bytes: float, tp: int, replication: float
     raise ValueError(f"tier {tier!r}: one of {', '.join(TIERS)}")
 
 
+def overlap(transfer_s: float, compute_s: float, layers: int) -> float:
+    """Loads layer by layer under the tail's compute: of the shorter, one layer's share is left."""
+    return max(transfer_s, compute_s) + min(transfer_s, compute_s) / max(1, layers)
+
+
 def restore(
     tier: str,
     node: Node,
@@ -88,8 +93,7 @@ def restore(
     if transfer_gbps:
         transfer = in_flight * copy_bytes / (transfer_gbps * 1e9)
         limit = f"{slowest.name} (links' bound) / effective {transfer_gbps:.2f} GB/s (fitted)"
-    layers = max(1, layers)
-    overlapped = max(transfer, tail_compute_s) + min(transfer, tail_compute_s) / layers
+    overlapped = overlap(transfer, tail_compute_s, layers)
     if tail_compute_s > transfer:
         limit = "the tail's compute"
     total = fixed_s + overlapped
