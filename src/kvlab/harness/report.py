@@ -44,7 +44,8 @@ def load_run(run_dir: Path) -> RunData:
     if avg and sweep.get("rounds") and avg[1] > sweep["rounds"]:
         avg = None
     summary = summarize(records, list(campaign.get("setups") or []), run_id=resolved.name,
-                        campaign=campaign.get("name"), avg_rounds=avg)  # type: ignore[arg-type]
+                        campaign=campaign.get("name"), avg_rounds=avg,  # type: ignore[arg-type]
+                        provenance={"run_id": resolved.name, **prov})
     return RunData(run_dir, resolved.name, campaign, prov, records, summary)
 
 
@@ -266,6 +267,38 @@ def memory_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     return out
 
 
+def predicted_tables(runs: list[RunData]) -> list[str]:
+    """Per run: the planner fitted on the run's own restore and sweep cells (in-sample: it says
+    how well fixed cost + bytes over an effective rate + the tail's compute describe the run,
+    and how far the effective rate is from the drive's fio limit)."""
+    out: list[str] = []
+    for r in runs:
+        p = r.summary.predicted
+        head = f"{r.run_id}: " if len(runs) > 1 else ""
+        if p is None or p.error:
+            out += [f"{head}no fit: {p.error if p else 'no provenance'}", ""]
+            continue
+        pre = p.prefill or {}
+        drive = f"; the drive's fio read limit {p.drive_read_gbps:.2f} GB/s" if p.drive_read_gbps else ""
+        out += [f"{head}In-sample: fitted on this run's own records (`kvlab predict --calibrate RUN` predicts other "
+                f"lengths). Model {p.model}, {p.kv_bytes_per_token:,} B/token{drive}. Prefill: fixed "
+                f"{pre.get('fixed_s', 0):.3f} s + {pre.get('per_token_s', 0) * 1e6:.2f} µs/token + FLOPs at "
+                f"{pre.get('flops_s', 0) / 1e9:.1f} GFLOP/s ({pre.get('points', 0)} requests).", ""]
+        for f in p.fits:
+            rate = f"{f.effective_gbps:.2f} GB/s" if f.effective_gbps else "no length dependence"
+            out.append(f"- {f.setup} {f.tier}: fixed {f.fixed_s:.3f} s, effective {rate} of restored KV "
+                       f"({f.points} requests)")
+        out += ["", "| setup | tier | tokens | predicted TTFT s | 5-95% | measured s | error |",
+                "|---|---|---:|---:|---:|---:|---:|"]
+        for c in p.cells:
+            iv = f"{c.interval_s[0]:.3f}-{c.interval_s[1]:.3f}" if c.interval_s else "-"
+            err = f"{c.error:+.0%}" if c.error is not None else "-"
+            out.append(f"| {c.setup} | {c.tier} | {c.tokens} | {c.predicted_ttft_s:.3f} | {iv} | "
+                       f"{f3(c.measured_ttft_s)} | {err} |")
+        out.append("")
+    return out
+
+
 def provenance_lines(runs: list[RunData]) -> list[str]:
     out = []
     for r in runs:
@@ -477,6 +510,7 @@ def render(runs: list[RunData], out: Path) -> Path:
     lines += ["", "## Sweep: TTFT and throughput by input length", ""] + sweep_tables(cols)
     lines += ["", "## Agents: concurrent multi-turn sessions", ""] + agents_table(cols)
     lines += ["", "## Memory", ""] + memory_table(cols)
+    lines += ["", "## Predicted against measured (the restore planner, in-sample)", ""] + predicted_tables(runs)
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Provenance", ""] + provenance_lines(runs)
     lines += ["", "Definitions: docs/results-schema.md. Regenerate: `kvlab report RUN`."]

@@ -1,6 +1,6 @@
 """The summary of a run (`kvlab report RUN --summary-json`), derived from its raw records.
 
-Schema `kvlab.summary/2`, documented in docs/results-schema.md and validated by the
+Schema `kvlab.summary/3`, documented in docs/results-schema.md and validated by the
 pydantic models below. Times are medians (the sweep's: the mean of the chosen rounds,
 as the second seed averages); every median has its sample count beside it; a value is
 null where its scenario did not run for that setup.
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvlab.harness import metrics
 from kvlab.harness.metrics import Turn
 
-SCHEMA = "kvlab.summary/2"
+SCHEMA = "kvlab.summary/3"
 
 
 class _M(BaseModel):
@@ -122,12 +122,48 @@ class RecomputeReference(_M):
     tokens: int | None
 
 
+class PredictedFit(_M):
+    setup: str
+    tier: str = Field(description="sweep (its hits), warm or restart (the restore scenario's)")
+    fixed_s: float = Field(description="fitted fixed cost per restore")
+    effective_gbps: float | None = Field(description="fitted GB/s of restored KV (null: no length dependence)")
+    granule_tokens: int = Field(description="the restored prefix is a multiple of this many tokens")
+    points: int = Field(description="requests the fit saw")
+
+
+class PredictedCell(_M):
+    setup: str
+    tier: str
+    tokens: int
+    predicted_ttft_s: float
+    measured_ttft_s: float | None = Field(None, description="as this summary measures it (sweep: mean; restore: median)")
+    error: float | None = Field(None, description="predicted / measured - 1")
+    interval_s: list[float] | None = Field(None, description="5-95% of the fit's residuals around the prediction")
+    restored_share: float | None = Field(None, description="restored tokens / tokens (null: a recompute)")
+
+
+class PredictedCheck(_M):
+    """The restore planner fitted on this run itself: in-sample, so the table says how well the
+    planner's shape (fixed cost + bytes over an effective rate + the tail's compute) describes
+    the run, and how far the effective rate is from the drive's fio limit."""
+
+    label: str = "in-sample: the planner fitted on this run's own records"
+    model: str | None = None
+    kv_bytes_per_token: int | None = None
+    drive_read_gbps: float | None = Field(None, description="the run's fio read limit on the stores' filesystem")
+    prefill: dict[str, Any] | None = Field(None, description="fitted flops_s, per_token_s, fixed_s, points")
+    fits: list[PredictedFit] = Field(default_factory=list)
+    cells: list[PredictedCell] = Field(default_factory=list)
+    error: str | None = Field(None, description="why no fit (no recompute, no geometry)")
+
+
 class Summary(_M):
     schema_: str = Field(SCHEMA, alias="schema")
     run_id: str | None = None
     campaign: str | None = None
     recompute_reference: RecomputeReference | None = None
     setups: dict[str, SetupSummary]
+    predicted: PredictedCheck | None = Field(None, description="the restore planner, fitted on this run (in-sample)")
 
 
 def _med(xs: list[float]) -> float | None:
@@ -275,8 +311,29 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
     )
 
 
+def predicted_check(records: list[dict], provenance: dict[str, Any], avg_rounds: tuple[int, int] | None
+                    ) -> PredictedCheck:
+    """The planner fitted on the run's restore and sweep cells; the reason where it cannot be."""
+    from kvlab.planner.calibrate import CalibrationError, calibrate_records, cells, geometry_of
+
+    try:
+        cal = calibrate_records(records, geometry_of(provenance), provenance.get("run_id", "run"), avg_rounds)
+    except CalibrationError as e:
+        return PredictedCheck(error=str(e))
+    d = cal.to_dict()
+    fits = [PredictedFit(setup=t["setup"], tier=t["tier"], fixed_s=t["fixed_s"],
+                         effective_gbps=t["effective_gbps"] if t["effective_gbps"] != float("inf") else None,
+                         granule_tokens=t["granule_tokens"], points=t["points"]) for t in d["tiers"]]
+    keep = {"setup", "tier", "tokens", "predicted_ttft_s", "measured_ttft_s", "error", "interval_s", "restored_share"}
+    return PredictedCheck(
+        model=cal.geometry.name, kv_bytes_per_token=cal.kv_bytes_per_token, drive_read_gbps=cal.drive_read_gbps,
+        prefill={k: d["prefill"][k] for k in ("flops_s", "per_token_s", "fixed_s", "points")}, fits=fits,
+        cells=[PredictedCell(**{k: v for k, v in c.items() if k in keep}) for c in cells(cal, None)])
+
+
 def summarize(records: list[dict], setup_order: list[str], run_id: str | None = None,
-              campaign: str | None = None, avg_rounds: tuple[int, int] | None = None) -> Summary:
+              campaign: str | None = None, avg_rounds: tuple[int, int] | None = None,
+              provenance: dict[str, Any] | None = None) -> Summary:
     by_setup: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         if r.get("setup"):
@@ -291,7 +348,9 @@ def summarize(records: list[dict], setup_order: list[str], run_id: str | None = 
         if s != "baseline":
             out[s] = summarize_setup(s, by_setup[s], out.get("baseline"), avg_rounds, ref)
     ordered = {s: out[s] for s in names}
-    return Summary(schema=SCHEMA, run_id=run_id, campaign=campaign, recompute_reference=ref, setups=ordered)
+    predicted = predicted_check(records, provenance, avg_rounds) if provenance is not None else None
+    return Summary(schema=SCHEMA, run_id=run_id, campaign=campaign, recompute_reference=ref, setups=ordered,
+                   predicted=predicted)
 
 
 def to_json_obj(s: Summary) -> dict[str, Any]:

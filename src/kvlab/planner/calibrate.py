@@ -109,20 +109,23 @@ class Calibration:
         }
 
 
-def _geometry(run: Path, prov: dict[str, Any]) -> Geometry:
-    m = prov.get("model") or {}
-    if m.get("geometry"):
-        from kvlab.model import TinyGeometry
+def geometry_of(prov: dict[str, Any]) -> Geometry:
+    """The run's model geometry from its provenance: the tiny model's fields (a run before they
+    were recorded: the default tiny model's), or the model folder's config.json on this host."""
+    from kvlab.model import TinyGeometry
 
-        return tiny_geometry(f"tiny (run {prov.get('run_id', run.name)})", TinyGeometry(**m["geometry"]))
+    m = prov.get("model") or {}
+    run_id = prov.get("run_id", "run")
+    if m.get("kind") == "tiny":
+        return tiny_geometry(f"tiny (run {run_id})", TinyGeometry(**(m.get("geometry") or {})))
     from kvlab.planner.modelconfig import from_config
 
     cfg = Path(m.get("path", "")) / "config.json"
     if cfg.is_file():
         return from_config(json.loads(cfg.read_text()), name=cfg.parent.name)
     raise CalibrationError(
-        f"{run}: its provenance names no model geometry (model.geometry) and its model's "
-        f"config.json ({cfg}) is not on this host: rerun the campaign with this kvlab"
+        f"run {run_id}: its provenance names no model geometry and its model's config.json ({cfg}) is not on "
+        "this host: calibrate where the model folder is"
     )
 
 
@@ -154,7 +157,8 @@ def points(records: list[dict[str, Any]], avg: tuple[int, int] | None) -> list[P
 
 
 def _means(ps: list[Point]) -> list[tuple[int, int, float, list[float]]]:
-    """Per length: tokens, the median restored prefix, the mean TTFT, every TTFT."""
+    """Per length: tokens, the median restored prefix, the TTFT as the summary takes it (the
+    sweep's mean of its rounds, the restore's median), every TTFT."""
     by: dict[int, list[Point]] = defaultdict(list)
     for p in ps:
         by[p.tokens].append(p)
@@ -162,7 +166,12 @@ def _means(ps: list[Point]) -> list[tuple[int, int, float, list[float]]]:
     for n in sorted(by):
         cs = sorted(p.cached for p in by[n])
         ts = [p.ttft_s for p in by[n]]
-        out.append((n, cs[len(cs) // 2], sum(ts) / len(ts), ts))
+        if by[n][0].tier == "sweep":
+            t = sum(ts) / len(ts)
+        else:
+            o = sorted(ts)
+            t = (o[(len(o) - 1) // 2] + o[len(o) // 2]) / 2
+        out.append((n, cs[len(cs) // 2], t, ts))
     return out
 
 
@@ -264,7 +273,7 @@ def calibrate(run: Path) -> Calibration:
         prov = json.loads((run / "provenance.json").read_text())
     except (OSError, ValueError) as e:
         raise CalibrationError(f"{run}: no readable provenance.json ({e})") from None
-    return calibrate_records(read_records(run), _geometry(run, prov), str(run), _avg_rounds(run))
+    return calibrate_records(read_records(run), geometry_of(prov), str(run), _avg_rounds(run))
 
 
 def cells(cal: Calibration, tokens: list[int] | None) -> list[dict[str, Any]]:
