@@ -1,43 +1,88 @@
 """The plan of a campaign run: engine lives and steps, each with a time estimate.
 
-Estimates come from a cost model per device, calibrated on what was measured: on the
-embedded CPU default (2 cores, the tiny fp32 model) prefill is ~O(n^2) (~15 s at 8K,
-~200 s at 32K) and an engine starts in 25-40 s; on the lab's GPUs the first seed's
-196K-token prefill took 47.7 s and its restore ~2 s. They size a run, nothing more.
+Estimates come from the restore planner's arithmetic (kvlab.planner: prefill FLOPs of the
+campaign's model, a restore through a tier) with constants per device measured where they
+were: on the embedded CPU default (2 cores) the embedded-sweep run's curve, engines starting
+in 25-40 s; on the lab's GPUs the first seed's 196K-token prefill (47.7 s) and restore (~2 s).
+They size a run, nothing more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvlab import setups
 from kvlab.harness.campaign import Campaign
 from kvlab.harness.sessions import agent_max_prompt_tokens, generator_max_prompt_tokens
+from kvlab.planner import presets as planner_presets
+from kvlab.planner.geometry import Geometry
+from kvlab.planner.modelconfig import ModelError
+from kvlab.planner.modelconfig import resolve as resolve_model
+from kvlab.planner.node import PRESETS as node_presets
+from kvlab.planner.presets import tiny_geometry
+from kvlab.planner.recompute import PrefillCurve
+from kvlab.planner.restore import restore as restore_tier
 
 
 @dataclass(frozen=True)
 class CostModel:
+    """The restore planner's arithmetic (kvlab.planner) with a device's constants: a prefill
+    curve on the campaign model's FLOPs, a restore through the node's tier at an effective
+    rate, engine starts and decode steps."""
+
     engine_start_s: float
-    prefill_quadratic: float  # s per token^2
-    prefill_linear: float  # s per token
-    restore_gbps: float
+    node: str  # kvlab.planner.node preset
+    tier: str  # the restore's path on that node
+    curve: PrefillCurve
+    restore_gbps: float  # effective GB/s of restored KV
     restore_fixed_s: float
     decode_s_per_token: float
+    geometry: Geometry | None = None  # the campaign's model (cost_model fills it in)
 
     def prefill(self, n: int) -> float:
-        return self.prefill_quadratic * n * n + self.prefill_linear * n + 0.05
+        assert self.geometry is not None
+        return self.curve.time(self.geometry, n)
 
     def restore(self, n: int, kv_bytes_per_token: int) -> float:
-        return self.restore_fixed_s + n * kv_bytes_per_token / (self.restore_gbps * 1e9)
+        g = self.geometry
+        assert g is not None
+        r = restore_tier(self.tier, node_presets[self.node], n * kv_bytes_per_token, 1, 1.0,
+                         self.curve.compute_s(g, n, max(0, n - 1)), g.layers, self.restore_fixed_s,
+                         transfer_gbps=self.restore_gbps)
+        return r.total_s
 
 
+# CPU (the embedded default, two cores): fitted on embedded-sweep's recomputes (100 to 100K
+# tokens of the light tiny model) and kvlab's hits; `make demo`'s 4K-token prefill of the
+# KV-heavy model comes out at ~1.1 s (measured 0.887 s; the curve before this was 4.85 s).
+# CUDA: the first seed's GLM-5.3 on 8x H200, the FLOPs rate set so that its 196K-token
+# prefill is the seed's 47.7 s, and its ~2 s restore.
 COST = {
-    "cpu": CostModel(engine_start_s=40, prefill_quadratic=2e-7, prefill_linear=4e-4, restore_gbps=1.0,
-                     restore_fixed_s=0.1, decode_s_per_token=0.03),
-    "cuda": CostModel(engine_start_s=300, prefill_quadratic=1.2e-9, prefill_linear=1e-5, restore_gbps=5.0,
-                      restore_fixed_s=0.2, decode_s_per_token=0.04),
+    "cpu": CostModel(engine_start_s=40, node="cpu", tier="nvme-host",
+                     curve=PrefillCurve(100e9, 0.0, 0.07, "embedded-sweep, two cores"),
+                     restore_gbps=0.35, restore_fixed_s=0.05, decode_s_per_token=0.03),
+    "cuda": CostModel(engine_start_s=300, node="h200", tier="nvme-gds",
+                      curve=PrefillCurve(5.0e14, 0.0, 0.1, "the first seed: 196K tokens in 47.7 s"),
+                      restore_gbps=5.0, restore_fixed_s=0.2, decode_s_per_token=0.04),
 }
+
+
+def campaign_geometry(c: Campaign) -> Geometry:
+    """The campaign model's geometry: the tiny model's fields, a model folder's config.json
+    where this host has it, else the first seed's GLM-5.3 (the lab's model) scaled to the
+    campaign's kv_bytes_per_token."""
+    if c.model.tiny is not None:
+        return tiny_geometry("tiny", c.model.tiny.tiny_geometry())
+    try:
+        return resolve_model(c.model.path or "")
+    except ModelError:
+        return planner_presets.get("glm-5.3")
+
+
+def cost_model(c: Campaign) -> CostModel:
+    return dataclasses.replace(COST[c.device], geometry=campaign_geometry(c))
 
 
 @dataclass(frozen=True)
@@ -99,7 +144,7 @@ def _agents_est(c: Campaign, n: int, cm: CostModel, cached: bool, base: Path | N
 
 
 def plan(c: Campaign, base: Path | None = None) -> list[SetupPlan]:
-    cm = COST[c.device]
+    cm = cost_model(c)
     kvb = kv_bytes_per_token(c)
     out = []
     for name in c.setups:
