@@ -123,7 +123,7 @@ def _calibrated(args: argparse.Namespace) -> int:
         a = Ask(cal.geometry, None, 1, node_mod.PRESETS["cpu"], tuple(lengths), cal.prefill, tiers=())
         plot(answer(a), args.plot, cs)
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(json.dumps(out))  # one line: scripts read the last JSON line
         return 0
     print(
         cells_table(
@@ -180,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
     if args.plot:
         plot(ans, args.plot)
     if args.json:
-        print(json.dumps(ans, indent=2))
+        print(json.dumps(ans))  # one line: scripts read the last JSON line
         return 0
     if args.explain:
         print("\n".join(ans["explain"]))
