@@ -29,62 +29,29 @@ _GLM5 = dict(
     sparse_topk=2048,
 )
 
+
+def _gqa(name: str, layers: int, kv_heads: int, query_heads: int, active_params: float) -> Geometry:
+    """A GQA model with 128-dim heads (every GQA preset here)."""
+    return Geometry(
+        name,
+        "gqa",
+        layers,
+        kv_heads=kv_heads,
+        head_dim=128,
+        active_params=active_params,
+        attn_heads=query_heads,
+        attn_qk_dim=128,
+        attn_v_dim=128,
+    )
+
+
+# name: layers, KV heads, query heads, active parameters per token
 PRESETS: dict[str, Geometry] = {
-    "llama-3.1-8b": Geometry(
-        "llama-3.1-8b",
-        "gqa",
-        32,
-        kv_heads=8,
-        head_dim=128,
-        active_params=8.0e9,
-        attn_heads=32,
-        attn_qk_dim=128,
-        attn_v_dim=128,
-    ),
-    "llama-3.1-70b": Geometry(
-        "llama-3.1-70b",
-        "gqa",
-        80,
-        kv_heads=8,
-        head_dim=128,
-        active_params=70.6e9,
-        attn_heads=64,
-        attn_qk_dim=128,
-        attn_v_dim=128,
-    ),
-    "qwen3-32b": Geometry(
-        "qwen3-32b",
-        "gqa",
-        64,
-        kv_heads=8,
-        head_dim=128,
-        active_params=32.8e9,
-        attn_heads=64,
-        attn_qk_dim=128,
-        attn_v_dim=128,
-    ),
-    "qwen3-235b-a22b": Geometry(
-        "qwen3-235b-a22b",
-        "gqa",
-        94,
-        kv_heads=4,
-        head_dim=128,
-        active_params=22e9,
-        attn_heads=64,
-        attn_qk_dim=128,
-        attn_v_dim=128,
-    ),
-    "glm-4.5": Geometry(
-        "glm-4.5",
-        "gqa",
-        92,
-        kv_heads=8,
-        head_dim=128,
-        active_params=32e9,
-        attn_heads=96,
-        attn_qk_dim=128,
-        attn_v_dim=128,
-    ),
+    "llama-3.1-8b": _gqa("llama-3.1-8b", 32, 8, 32, 8.0e9),
+    "llama-3.1-70b": _gqa("llama-3.1-70b", 80, 8, 64, 70.6e9),
+    "qwen3-32b": _gqa("qwen3-32b", 64, 8, 64, 32.8e9),
+    "qwen3-235b-a22b": _gqa("qwen3-235b-a22b", 94, 4, 64, 22e9),
+    "glm-4.5": _gqa("glm-4.5", 92, 8, 96, 32e9),
     "deepseek-r1": Geometry("deepseek-r1", active_params=37e9, attn_heads=128, **_DEEPSEEK_MLA),
     "kimi-k2": Geometry("kimi-k2", active_params=32e9, attn_heads=64, **_DEEPSEEK_MLA),
     # GLM-5.x: a sparse-attention indexer (128 fp8 + 4 B scale per token) on every layer in
