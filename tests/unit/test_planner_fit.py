@@ -45,6 +45,8 @@ def records(lengths: list[int], noise: float = 0.0, seed: int = 0) -> list[dict]
                         "prompt_tokens": n,
                         "cached_tokens": restored(n) if hit else 0,
                         "ttft_s": t * (1 + rng.uniform(-noise, noise)),
+                        "output_tokens": 16,
+                        "total_s": t + 0.1,
                     }
                 )
     return out
