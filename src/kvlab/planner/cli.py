@@ -159,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
             n,
             tokens,
             flops_model(n, args.utilisation, fp8=fp8),
-            tiers=tuple(args.tier or restore_mod.TIERS),
+            tiers=tuple(args.tier or (t for t in restore_mod.TIERS if n.gds or t != "nvme-gds")),
             fixed_s=args.restore_fixed_s,
             in_flight=args.in_flight,
             with_mtp=args.with_mtp,
