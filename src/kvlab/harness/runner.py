@@ -186,7 +186,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
     return writer.dir
 
 
-def drive_limit(work_root: Path) -> dict[str, Any]:
+def drive_limit(work_root: Path, size_mib: int = 256) -> dict[str, Any]:
     """fio's O_DIRECT read and write limit on the stores' filesystem, once per run: the
     planner's physical input for a restore from the drive (measured, never fitted)."""
     from kvlab import fio
@@ -195,7 +195,7 @@ def drive_limit(work_root: Path) -> dict[str, Any]:
     rec: dict[str, Any] = {"kind": "drive_limit", "directory": str(where)}
     try:
         for rw in ("read", "write"):
-            gbps, jobs = fio.fio_limit(where, rw, size_mib=256)
+            gbps, jobs = fio.fio_limit(where, rw, size_mib=size_mib)
             rec[f"{rw}_gbps"] = gbps
             rec.setdefault("jobs", []).extend(j.to_dict() for j in jobs)
     except (RuntimeError, OSError, ValueError, subprocess.SubprocessError) as e:
