@@ -129,6 +129,7 @@ class PredictedFit(_M):
     effective_gbps: float | None = Field(description="fitted GB/s of restored KV (null: no length dependence)")
     granule_tokens: int = Field(description="the restored prefix is a multiple of this many tokens")
     points: int = Field(description="requests the fit saw")
+    miss_s: float = Field(0.0, description="a request the tier cannot serve: its cost beyond the recompute (median)")
 
 
 class PredictedCell(_M):
@@ -322,8 +323,8 @@ def predicted_check(records: list[dict], provenance: dict[str, Any], avg_rounds:
         return PredictedCheck(error=str(e))
     d = cal.to_dict()
     fits = [PredictedFit(setup=t["setup"], tier=t["tier"], fixed_s=t["fixed_s"],
-                         effective_gbps=t["effective_gbps"] if t["effective_gbps"] != float("inf") else None,
-                         granule_tokens=t["granule_tokens"], points=t["points"]) for t in d["tiers"]]
+                         effective_gbps=t["effective_gbps"],
+                         granule_tokens=t["granule_tokens"], points=t["points"], miss_s=t["miss_s"]) for t in d["tiers"]]
     keep = {"setup", "tier", "tokens", "predicted_ttft_s", "measured_ttft_s", "error", "interval_s", "restored_share"}
     return PredictedCheck(
         model=cal.geometry.name, kv_bytes_per_token=cal.kv_bytes_per_token, drive_read_gbps=cal.drive_read_gbps,

@@ -54,6 +54,7 @@ class TierFit:
     lag: int  # ... at most tokens - lag
     points: int
     interval: tuple[float, float] | None = None  # relative, 5-95% of the requests' residuals
+    miss_s: float = 0.0  # what a request the tier cannot serve costs beyond its recompute (lookup)
 
     def cached(self, n: int) -> int:
         return max(0, (n - self.lag) // self.granule * self.granule) if self.granule else 0
@@ -76,11 +77,12 @@ class Calibration:
         """Predicted TTFT, the restored share (None: a recompute) and the fit used."""
         fit = self.tiers.get((setup, tier))
         g, kvb = self.geometry, self.kv_bytes_per_token
-        if fit is None or fit.gbps is None or fit.cached(n) == 0:
-            return self.prefill.time(g, n), None, fit
+        if fit is None or fit.cached(n) == 0:
+            return self.prefill.time(g, n) + (fit.miss_s if fit else 0.0), None, fit
         c = fit.cached(n)
         tail = self.prefill.compute_s(g, n, c)
-        return fit.fixed_s + overlap(c * kvb / (fit.gbps * 1e9), tail, g.layers), c / n, fit
+        transfer = c * kvb / (fit.gbps * 1e9) if fit.gbps else 0.0  # None: no length dependence seen
+        return fit.fixed_s + overlap(transfer, tail, g.layers), c / n, fit
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -96,6 +98,7 @@ class Calibration:
             },
             "tiers": [
                 {
+                    "miss_s": f.miss_s,
                     "setup": f.setup,
                     "tier": f.tier,
                     "fixed_s": f.fixed_s,
@@ -207,8 +210,12 @@ def fit_tier(cal: Calibration, setup: str, tier: str, ps: list[Point]) -> TierFi
     gran, lag = _granule(ps)
     hits = [p for p in ps if p.cached > 0]
     g, kvb = cal.geometry, cal.kv_bytes_per_token
+    over = sorted(p.ttft_s - cal.prefill.time(g, p.tokens) for p in ps if p.cached == 0)
+    miss = max(0.0, over[len(over) // 2]) if over else 0.0
     if not hits:
-        return TierFit(setup, tier, 0.0, None, 0, 0, len(ps))
+        fit = TierFit(setup, tier, 0.0, None, 0, 0, len(ps), miss_s=miss)
+        cal.tiers[(setup, tier)] = fit
+        return fit
     means = _means(hits)
     # t = fixed + overlap(restored bytes / rate, tail), the tail's compute from the prefill
     # curve; the overlap's share beyond the transfer depends on the rate: iterate to a fixed point
@@ -225,9 +232,7 @@ def fit_tier(cal: Calibration, setup: str, tier: str, ps: list[Point]) -> TierFi
         if new == [fixed, inv]:
             break
         fixed, inv = new
-    fit = TierFit(setup, tier, fixed, 1 / (inv * 1e9) if inv > 0 else None, gran, lag, len(hits))
-    if fit.gbps is None:  # no length dependence seen: a fixed cost alone
-        fit.gbps = math.inf
+    fit = TierFit(setup, tier, fixed, 1 / (inv * 1e9) if inv > 0 else None, gran, lag, len(hits), miss_s=miss)
     cal.tiers[(setup, tier)] = fit
     pred = [cal.predict(setup, tier, p.tokens)[0] for p in hits]
     fit.interval = relative_interval(pred, [p.ttft_s for p in hits])

@@ -118,10 +118,10 @@ def _calibrated(args: argparse.Namespace) -> int:
         "cells": cs,
         "note": "fitted on the run itself: in-sample where the run measured the cell",
     }
-    if args.plot:
-        lengths = sorted({c["tokens"] for c in cs})
+    if args.plot:  # the run's own lengths (measured beside predicted) and the asked ones
+        lengths = sorted({n for _, _, n in cal.measured} | set(args.tokens or []))
         a = Ask(cal.geometry, None, 1, node_mod.PRESETS["cpu"], tuple(lengths), cal.prefill, tiers=())
-        plot(answer(a), args.plot, cs)
+        plot(answer(a), args.plot, cells(cal, lengths))
     if args.json:
         print(json.dumps(out))  # one line: scripts read the last JSON line
         return 0
