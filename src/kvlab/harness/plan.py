@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlab import setups
 from kvlab.harness.campaign import Campaign
 from kvlab.harness.sessions import agent_max_prompt_tokens, generator_max_prompt_tokens
 from kvlab.planner import presets as planner_presets
@@ -24,6 +23,7 @@ from kvlab.planner.node import PRESETS as node_presets
 from kvlab.planner.presets import tiny_geometry
 from kvlab.planner.recompute import PrefillCurve
 from kvlab.planner.restore import restore as restore_tier
+from kvlab.setups import registry as setups
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvlab import setups
-from kvlab.engine import EngineError, EngineServer
+from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness import results, scenarios
 from kvlab.harness.campaign import Campaign, CampaignError
 from kvlab.harness.memory import MemorySampler
@@ -21,6 +20,7 @@ from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, lives
 from kvlab.harness.sessions import sha256_file, workload
 from kvlab.net import free_port
 from kvlab.paths import state_dir
+from kvlab.setups import registry as setups
 
 
 def note(msg: str) -> None:
@@ -57,7 +57,7 @@ class Progress:
 
 class Engines(Protocol):
     """How a setup's engine is rendered and controlled: LocalEngines here, or
-    kvlab.engine_systemd.SystemdEngines on a lab node (`--engine systemd`)."""
+    kvlab.engines.systemd.SystemdEngines on a lab node (`--engine systemd`)."""
 
     def deployment(self, setup: str, params: setups.EngineParams) -> setups.Deployment: ...
 
@@ -189,7 +189,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
 def drive_limit(work_root: Path, size_mib: int = 256) -> dict[str, Any]:
     """fio's O_DIRECT read and write limit on the stores' filesystem, once per run: the
     planner's physical input for a restore from the drive (measured, never fitted)."""
-    from kvlab import fio
+    from kvlab.bench import fio
 
     where = work_root / "fio"
     rec: dict[str, Any] = {"kind": "drive_limit", "directory": str(where)}
