@@ -52,6 +52,9 @@ class ConnectorConfig:
     o_direct: str = "auto"  # auto | on | off
     metrics_port: int | None = None
     model_fingerprint: str | None = None  # override (e.g. a checkpoint's release hash)
+    # Refuse a path where no filesystem is mounted (the lab's roles set it for NVMe-oF
+    # paths): an unmounted drive would otherwise fill the root filesystem.
+    require_mount: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -82,6 +85,10 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config.io_engine must be one of auto, posix, gds")
         if values.get("o_direct", "auto") not in ("auto", "on", "off"):
             raise ConfigError("kv_connector_extra_config.o_direct must be one of auto, on, off")
+        if not isinstance(values.get("require_mount", False), bool):
+            raise ConfigError(
+                f"kv_connector_extra_config.require_mount must be true or false, got {values['require_mount']!r}"
+            )
         mp = values.get("metrics_port")
         if mp is not None and (not isinstance(mp, int) or not 0 < mp < 65536):
             raise ConfigError(f"kv_connector_extra_config.metrics_port must be a TCP port, got {mp!r}")

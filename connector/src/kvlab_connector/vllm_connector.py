@@ -47,7 +47,8 @@ class KvlabConnector(KVConnectorBase_V1):
         fingerprint = self.config.model_fingerprint or model_fingerprint(vllm_config.model_config.model)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.config.chunk_tokens, fingerprint)
         self.store = Store(
-            self.config.paths, self.config.capacity_bytes, self.config.io_threads, self.config.o_direct_flag()
+            self.config.paths, self.config.capacity_bytes, self.config.io_threads, self.config.o_direct_flag(),
+            require_mount=self.config.require_mount,
         )
         self.num_blocks = int(kv_cache_config.num_blocks)
         self._scheduler: SchedulerSide | None = None

@@ -75,6 +75,14 @@ def check_name(what: str, value: object) -> str:
     return value
 
 
+def check_trailer_fields(num_tokens: object, tag: object) -> None:
+    """What a writer's caller puts in every trailer, refused before anything is written
+    where the trailer's fields cannot hold it (a ValueError naming the argument)."""
+    for name, value, bits in (("num_tokens", num_tokens, 32), ("tag", tag, 64)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << bits:
+            raise ValueError(f"kvlab store: {name} must be an integer in 0..2**{bits}-1, got {value!r}")
+
+
 class FragmentNames:
     """Where an object's sections go on `self.drives` (a list of the drives' store roots)."""
 

@@ -327,6 +327,18 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+def make_key_dir(path: Path) -> None:
+    """A key directory and its namespace directory, where missing; never the drive's store
+    directory above them: a drive that is gone (unmounted) stays gone, and the write fails.
+    One that exists, or that an eviction elsewhere removes again at once, is no error here:
+    the caller's open tries again."""
+    for d in (path.parent, path):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+
+
 def _rmdir(path: str) -> None:
     """Remove a directory if it is empty: an evicted object's key directory would otherwise
     hold an inode for ever (at most 256 per namespace and drive, each one an inode that a

@@ -30,6 +30,7 @@ from kvlab_connector.store.format import (
     TRAILER_BYTES,
     ObjectShape,
     check_name,
+    check_trailer_fields,
     pack_trailer,
 )
 from kvlab_connector.store.ledger import LOW_WATER, Ledger, ObjectId, ScanResult
@@ -50,6 +51,32 @@ __all__ = [
 IO_THREADS_PER_DRIVE = 8
 
 
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem that holds `path` (an existing path)."""
+    path = path.resolve()
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def _make_drive_dir(path: Path, require_mount: bool) -> None:
+    """A drive's directory, made if it is missing, but never the path to it: where a
+    drive's filesystem is not mounted, the directories above would be made on the root
+    filesystem, and the store would fill it. With `require_mount`, the directory must sit
+    on a filesystem mounted below the root."""
+    if not path.parent.is_dir():
+        raise ValueError(
+            f"paths: {str(path)!r} cannot be made: {str(path.parent)!r} does not exist (the store never makes "
+            "a drive path's parents: is its drive mounted?)"
+        )
+    if require_mount and mount_point(path if path.exists() else path.parent) == Path("/"):
+        raise ValueError(
+            f"require_mount: nothing is mounted at {str(path)!r} (it is on the root filesystem): mount its "
+            "drive's filesystem, or set require_mount false for a store on the root filesystem"
+        )
+    path.mkdir(exist_ok=True)
+
+
 class Store(ReadPaths):
     """The drives of one store; thread-safe; any number of processes may share it.
 
@@ -62,6 +89,7 @@ class Store(ReadPaths):
         io_threads: int | None = None,
         o_direct: bool | None = None,
         engine: PosixEngine | None = None,
+        require_mount: bool = False,
     ):
         if isinstance(paths, str | bytes | os.PathLike) or not paths:
             raise ValueError(f"paths: give a list of directories, one per drive, got {paths!r}")
@@ -72,10 +100,13 @@ class Store(ReadPaths):
             raise ValueError(f"io_threads must be a positive integer or None (8 per drive), got {io_threads!r}")
         if o_direct not in (None, True, False):
             raise ValueError(f"o_direct must be True, False or None (probe each drive), got {o_direct!r}")
+        if not isinstance(require_mount, bool):
+            raise ValueError(f"require_mount must be true or false, got {require_mount!r}")
         self.drives = [Path(p) / ROOT_NAME for p in paths]
         seen: dict[tuple[int, int], int] = {}
         for i, (p, d) in enumerate(zip(paths, self.drives, strict=True)):
-            d.mkdir(parents=True, exist_ok=True)
+            _make_drive_dir(Path(p), require_mount)
+            d.mkdir(exist_ok=True)
             st = os.stat(p)
             # A directory given twice, or reached twice (a symlink, a bind mount), would count
             # every object as partial: refuse it.
@@ -127,6 +158,7 @@ class Store(ReadPaths):
 
     # ---- write ----------------------------------------------------------------------
     def begin_write(self, ns: str, key: str, shape: ObjectShape, num_tokens: int, tag: int = 0) -> ObjectWriter:
+        check_trailer_fields(num_tokens, tag)
         writer = ObjectWriter(self, ns, key, shape, num_tokens, tag)
         with self._lock:
             self._writers.add(writer)

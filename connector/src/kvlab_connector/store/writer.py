@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlab_connector import metrics
 from kvlab_connector.store.format import ObjectShape
-from kvlab_connector.store.ledger import unlink_quietly
+from kvlab_connector.store.ledger import make_key_dir, unlink_quietly
 from kvlab_connector.store.memory import HOST, SectionMemory
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full drive, or the store's user's 
 # One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).
 MAX_WRITE_BYTES = 8 << 20
 MAX_WRITE_BUFFERS = 256
+# Opens of a fragment's file that find its key directory gone (removed again by an eviction
+# elsewhere each time) before the write fails.
+_OPEN_ATTEMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -86,14 +89,16 @@ class ObjectWriter:
         if self._closed:
             raise OSError(errno.EBADF, "the writer is closed")
         p = self.tmp[frag]
-        for attempt in range(3):
-            p.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(_OPEN_ATTEMPTS):
             try:
                 fd = self.store._open_for(frag, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 break
             except FileNotFoundError:
-                if attempt == 2:
-                    raise  # an eviction removed the key directory, empty, between the two: again
+                # The key directory is not there yet, or an eviction in another process
+                # removed it, empty, since: make it (never the drive's own directory) and again.
+                if attempt == _OPEN_ATTEMPTS - 1:
+                    raise
+                make_key_dir(p.parent)
         # Allocate the fragment up front: direct writes inside the file's size run in
         # parallel, while writes that extend a file are serialized by the filesystem.
         try:
