@@ -133,6 +133,23 @@ def pack_trailer(
     return head + _TRAILER_CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
+@dataclass(frozen=True)
+class WriteFields:
+    """What every section trailer of one write carries besides the section's index and
+    checksum: a writer hands this to the memory that seals its sections."""
+
+    ns: str
+    key: str
+    shape: ObjectShape
+    num_tokens: int
+    tag: int
+    write_id: int
+
+    def trailer(self, section: int, magic: bytes, checksum: int) -> bytes:
+        return pack_trailer(self.ns, self.key, self.shape, section, self.num_tokens, self.tag, self.write_id, magic,
+                            checksum)  # fmt: skip
+
+
 def check_trailer(
     trailer: bytes, ns: str, key: str, shape: ObjectShape, section: int, tag: int
 ) -> tuple[bytes, int, int] | None:
