@@ -35,6 +35,7 @@ ROOT_NAME = "kvlab-v1"
 # connector are clean misses, counted and evicted like any other until they age out.
 MAGIC_XXH3 = b"KVLBSX02"
 MAGIC_WSUM = b"KVLBSW02"
+STALE_MAGICS = (b"KVLBSEC1", b"KVLBSECW")  # format 1: what fsck calls a stale format
 # magic, namespace, key, section, n_sections, payload_len, num_tokens, tag, write id, payload checksum
 _TRAILER = struct.Struct("<8s16s16sIIQIQQQ")
 _TRAILER_CHECK = struct.Struct("<Q")
@@ -91,19 +92,12 @@ class FragmentNames:
     def n_fragments(self, shape: ObjectShape) -> int:
         return min(len(self.drives), shape.n_sections)
 
-    def _first_fragment(self, key: str, nfrag: int) -> int:
-        return int(key[:8], 16) % nfrag
-
     def placement(self, key: str, shape: ObjectShape, section: int) -> tuple[int, int]:
         """(fragment index = drive index, byte offset in the fragment file) of a section."""
-        nfrag = self.n_fragments(shape)
-        frag = (section + self._first_fragment(key, nfrag)) % nfrag
-        return frag, (section // nfrag) * shape.stride
+        return placement(key, self.n_fragments(shape), shape, section)
 
     def fragment_bytes(self, key: str, shape: ObjectShape, frag: int) -> int:
-        nfrag = self.n_fragments(shape)
-        first = self._first_fragment(key, nfrag)
-        return sum(1 for s in range(shape.n_sections) if (s + first) % nfrag == frag) * shape.stride
+        return len(sections_of(key, self.n_fragments(shape), shape, frag)) * shape.stride
 
     def fragment_path(self, ns: str, key: str, shape: ObjectShape, frag: int) -> Path:
         check_name("namespace", ns)
@@ -120,6 +114,18 @@ class FragmentNames:
     def _path(self, ns: str, key: str, shape: ObjectShape, frag: int) -> Path:
         nfrag = self.n_fragments(shape)
         return self.drives[frag] / ns / key[:2] / f"{key}.{frag}-{nfrag}.{self.fragment_bytes(key, shape, frag)}"
+
+
+def placement(key: str, nfrag: int, shape: ObjectShape, section: int) -> tuple[int, int]:
+    """(fragment index, byte offset in the fragment file) of a section of an object cut into
+    `nfrag` fragments: round-robin, starting at a fragment the key chooses."""
+    frag = (section + int(key[:8], 16) % nfrag) % nfrag
+    return frag, (section // nfrag) * shape.stride
+
+
+def sections_of(key: str, nfrag: int, shape: ObjectShape, frag: int) -> list[int]:
+    """The sections that fragment `frag` holds, in the order of their offsets."""
+    return [s for s in range(shape.n_sections) if placement(key, nfrag, shape, s)[0] == frag]
 
 
 def pack_trailer(
@@ -150,21 +156,52 @@ class WriteFields:
                             checksum)  # fmt: skip
 
 
-def check_trailer(
-    trailer: bytes, ns: str, key: str, shape: ObjectShape, section: int, tag: int
-) -> tuple[bytes, int, int] | None:
-    """(magic, write id, payload checksum) of a trailer that is intact and names this very
-    section of this object in this layout; None otherwise."""
+@dataclass(frozen=True)
+class Trailer:
+    magic: bytes
+    ns: str
+    key: str
+    section: int
+    n_sections: int
+    section_bytes: int
+    num_tokens: int
+    tag: int
+    write_id: int
+    checksum: int
+
+
+def _intact(trailer: bytes) -> tuple | None:
+    """A trailer's fields, if it is of this format and its own check is right."""
     try:
         fields = _TRAILER.unpack_from(trailer)
         (check,) = _TRAILER_CHECK.unpack_from(trailer, _TRAILER.size)
     except struct.error:
         return None
+    if fields[0] not in (MAGIC_XXH3, MAGIC_WSUM) or check != xxhash.xxh3_64_intdigest(trailer[:_TRAILER.size]):
+        return None
+    return fields
+
+
+def parse_trailer(trailer: bytes) -> Trailer | None:
+    """Every field of an intact trailer (fsck reads objects it knows nothing of); None otherwise."""
+    fields = _intact(trailer)
+    if fields is None:
+        return None
+    magic, t_ns, t_key, *rest = fields
+    return Trailer(magic, t_ns.hex(), t_key.hex(), *rest)
+
+
+def check_trailer(
+    trailer: bytes, ns: str, key: str, shape: ObjectShape, section: int, tag: int
+) -> tuple[bytes, int, int] | None:
+    """(magic, write id, payload checksum) of a trailer that is intact and names this very
+    section of this object in this layout; None otherwise."""
+    fields = _intact(trailer)
+    if fields is None:
+        return None
     magic, t_ns, t_key, t_sec, t_n, t_len, _tokens, t_tag, t_write, t_sum = fields
     if (
-        magic not in (MAGIC_XXH3, MAGIC_WSUM)
-        or check != xxhash.xxh3_64_intdigest(trailer[:_TRAILER.size])
-        or t_ns != bytes.fromhex(ns)
+        t_ns != bytes.fromhex(ns)
         or t_key != bytes.fromhex(key)
         or t_sec != section
         or t_n != shape.n_sections

@@ -290,6 +290,18 @@ class Ledger:
                             "evicted or removed until it can", path, e.strerror or e)
             return []
 
+    def remove_files(self, paths: Sequence[str]) -> ScanResult:
+        """Delete these files of the store's own (the objects fsck found damaged), then set
+        the usage to what the drives hold: under the lock every process takes to update it."""
+
+        def run() -> ScanResult:
+            _remove_files(paths)
+            scan = self._scan(clean=False)
+            self._write_usage(scan.bytes)
+            return scan
+
+        return self._with_lock(run)  # type: ignore[return-value]
+
     # ---- by key alone, whatever the shape (the LMCache L2 adapter: LMCache looks up and
     # deletes by key, and learns an object's size only when it hands over a buffer) ------
     def exists_any_shape(self, ns: str, key: str) -> bool:
