@@ -42,6 +42,12 @@ COUNTERS: tuple[Counter, ...] = (
         "load_error_blocks", "blocks reported to vLLM for recompute", "worker", "kvlab_load_error_blocks"
     ),
 )
+# Counted per drive (wear: each drive's rated endurance is in writes of its own capacity):
+# StoreStats.<name> is a list, one per drive in the store's order; Prometheus labels each
+# drive's count with its path (`drive`).
+PER_DRIVE: tuple[Counter, ...] = (
+    Counter("drive_bytes_written", "bytes written to each drive", "store", "kvlab_drive_written_bytes"),
+)
 BY_NAME = {c.name: c for c in COUNTERS}
 # What a worker reports each interval (vLLM's connector stats, campaign records).
 WORKER_REPORTED = tuple(c.name for c in COUNTERS if c.source != "scheduler")

@@ -392,6 +392,8 @@ class KvlabL2Adapter(L2AdapterInterface):
             "objects_at_start": self.objects_at_start,
             "evictions": s.evictions,
             "checksum_failures": s.checksum_failures,
+            "bytes_written": s.bytes_written,
+            "drive_bytes_written": dict(zip(self.config.paths, s.drive_bytes_written, strict=True)),
             **counters,
         }
 

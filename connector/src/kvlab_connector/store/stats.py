@@ -24,6 +24,7 @@ class StoreStats:
     evicted_bytes: int = 0
     writes_aborted: int = 0
     out_of_space: int = 0  # times a drive was full below the capacity bound
+    drive_bytes_written: list[int] = field(default_factory=list)  # per drive, in the store's order: wear
     io_latency_s: list[float] = field(default_factory=list)
 
     def note_latency(self, s: float) -> None:
@@ -36,8 +37,9 @@ class Recorder:
     """The store's stats and the lock that guards them, handed to each part that counts
     (reader, writer, memory media, ledger); Prometheus gets the same counts (metrics.py)."""
 
-    def __init__(self, stats: StoreStats | None = None, lock: threading.Lock | None = None):
-        self.stats = stats if stats is not None else StoreStats()
+    def __init__(self, drives: list[str] | None = None, lock: threading.Lock | None = None):
+        self.drives = list(drives or [])  # each drive's path: the label of its wear counter
+        self.stats = StoreStats(drive_bytes_written=[0] * len(self.drives))
         self.lock = lock if lock is not None else threading.Lock()
 
     def add(self, **counts: float) -> None:
@@ -67,12 +69,14 @@ class Recorder:
             self.stats.sections_failed += len(oks) - n_ok
         metrics.observe_io(dt, read_bytes=n_ok * stride)
 
-    def note_write(self, t0: float, nbytes: int, ok: bool) -> None:
-        """A write request over: its bytes count as written if every one went out."""
+    def note_write(self, t0: float, nbytes: int, ok: bool, drive: int) -> None:
+        """A write request to drive `drive` (its index) over: its bytes count as written,
+        to the store and to that drive, if every one went out."""
         dt = time.perf_counter() - t0
         with self.lock:
             self.stats.note_latency(dt)
             if ok:
                 self.stats.bytes_written += nbytes
                 self.stats.write_s += dt
-        metrics.observe_io(dt, written_bytes=nbytes if ok else 0)
+                self.stats.drive_bytes_written[drive] += nbytes
+        metrics.observe_io(dt, written_bytes=nbytes if ok else 0, drive=self.drives[drive])

@@ -130,7 +130,7 @@ class Store(FragmentNames):
         self.engine = engine or PosixEngine(io_threads or IO_THREADS_PER_DRIVE * len(self.drives))
         # The parts, each given what it needs and no more.
         self.fragments = Fragments(self.drives, self.o_direct)
-        self.recorder = Recorder()
+        self.recorder = Recorder([str(p) for p in paths])
         self.stats: StoreStats = self.recorder.stats
         self.ledger = Ledger(self.drives, capacity_bytes, self.stats, self.recorder.lock)
         self.reader = Reader(ReadParts(self.fragments, self.engine, self.recorder))

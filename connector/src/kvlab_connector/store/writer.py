@@ -206,7 +206,7 @@ class ObjectWriter:
                 ok = False
                 if isinstance(e, OSError) and e.errno in _NO_SPACE:
                     self._out_of_space = True
-            self.stats.note_write(t0, sum(q.nbytes for q in run), ok)
+            self.stats.note_write(t0, sum(q.nbytes for q in run), ok, drive=frag)  # fragment f is on drive f
         for q in run:
             q.on_done(ok)
             self._section_done(ok)
