@@ -55,6 +55,9 @@ class ConnectorConfig:
     # Refuse a path where no filesystem is mounted (the lab's roles set it for NVMe-oF
     # paths): an unmounted drive would otherwise fill the root filesystem.
     require_mount: bool = False
+    # Re-verify objects at rest in the background, coldest first, at this rate (scrub.py);
+    # None: off.
+    scrub_bytes_per_s: int | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -71,7 +74,7 @@ class ConnectorConfig:
         if isinstance(paths, str) or not isinstance(paths, list | tuple) or not paths:
             raise ConfigError("kv_connector_extra_config.paths must be a non-empty list of directories")
         values = dict(extra, paths=tuple(str(p) for p in paths))
-        for name in ("capacity_bytes", "ring_bytes", "chunk_tokens", "io_threads"):
+        for name in ("capacity_bytes", "ring_bytes", "chunk_tokens", "io_threads", "scrub_bytes_per_s"):
             if name in values:
                 v = values[name]
                 if not is_positive_int(v):

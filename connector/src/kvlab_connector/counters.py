@@ -15,7 +15,7 @@ class Counter:
     name: str
     help: str
     # Who counts it: "store" (StoreStats.<name>), "worker" (WorkerSide.<name>), or
-    # "scheduler" (the lookup, in the scheduler's process: Prometheus only).
+    # "scheduler" (the lookup and the scrub, in the scheduler's process: Prometheus only).
     source: str
     prometheus: str | None = None
 
@@ -37,6 +37,8 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("evictions", "objects evicted to hold the capacity", "store", "kvlab_evictions"),
     Counter("evicted_bytes", "bytes evicted to hold the capacity", "store"),
     Counter("out_of_space", "drives found full below the capacity bound", "store", "kvlab_out_of_space"),
+    Counter("scrubbed_bytes", "bytes scrub re-verified at rest", "scheduler", "kvlab_scrubbed_bytes"),
+    Counter("scrub_removed", "objects scrub found damaged at rest and removed", "scheduler", "kvlab_scrub_removed"),
     Counter("saves_dropped", "objects not saved: ring or drives saturated", "worker", "kvlab_saves_dropped"),
     Counter(
         "load_error_blocks", "blocks reported to vLLM for recompute", "worker", "kvlab_load_error_blocks"

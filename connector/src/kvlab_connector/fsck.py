@@ -164,7 +164,7 @@ def _identity(path: str) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-class _Reader:
+class SectionReader:
     """Sections read into one page-aligned buffer, O_DIRECT where the file takes it."""
 
     def __init__(self, throttle: Throttle):
@@ -190,7 +190,7 @@ class _Reader:
         return view[:got]
 
 
-def _check_file(reader: _Reader, ns: str, key: str, nfrag: int, frag: int, path: str,
+def _check_file(reader: SectionReader, ns: str, key: str, nfrag: int, frag: int, path: str,
                 write_ids: set[int], tags: set[int]) -> str | None:  # fmt: skip
     """The kind of damage of one fragment file, or None if every section in it verifies."""
     m = FRAGMENT_RE.match(os.path.basename(path))
@@ -238,7 +238,7 @@ def _shape(shape: ObjectShape) -> tuple[int, int]:
     return shape.n_sections, shape.section_bytes
 
 
-def check_object(reader: _Reader, obj: ObjectId, frags: dict[int, list[str]]) -> str | None:
+def check_object(reader: SectionReader, obj: ObjectId, frags: dict[int, list[str]]) -> str | None:
     """The first kind of damage found in an object, or None if it is whole."""
     ns, key, nfrag = obj
     if set(frags) != set(range(nfrag)):
@@ -268,7 +268,7 @@ def fsck(paths: list[Path], repair: bool = False, bytes_per_s: float = 256 << 20
         roots.append(root)
     found = walk(roots)
     report = Report(paths=[str(p) for p in paths])
-    reader = _Reader(Throttle(bytes_per_s))
+    reader = SectionReader(Throttle(bytes_per_s))
     damaged: dict[ObjectId, tuple[str, list[tuple[str, tuple[int, int, int] | None]]]] = {}
     now = time.time()
     items = sorted(found.objects.items())
