@@ -39,6 +39,10 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("out_of_space", "drives found full below the capacity bound", "store", "kvlab_out_of_space"),
     Counter("scrubbed_bytes", "bytes scrub re-verified at rest", "scheduler", "kvlab_scrubbed_bytes"),
     Counter("scrub_removed", "objects scrub found damaged at rest and removed", "scheduler", "kvlab_scrub_removed"),
+    Counter("admission_refused", "objects not saved: the admission policy refused them", "scheduler",
+            "kvlab_admission_refused"),
+    Counter("over_write_budget", "objects not saved: over the write budget", "scheduler",
+            "kvlab_over_write_budget"),
     Counter("saves_dropped", "objects not saved: ring or drives saturated", "worker", "kvlab_saves_dropped"),
     Counter(
         "load_error_blocks", "blocks reported to vLLM for recompute", "worker", "kvlab_load_error_blocks"
