@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab_connector.counters import BY_NAME, COUNTERS, WORKER_REPORTED
+from kvlab_connector.counters import BY_NAME, COUNTERS, PER_DRIVE, WORKER_REPORTED
 
 SRC = Path(__file__).resolve().parents[2] / "connector" / "src" / "kvlab_connector"
 
@@ -35,9 +35,9 @@ def incremented_names() -> list[tuple[str, str]]:
 
 
 def test_each_name_is_declared_once() -> None:
-    names = [c.name for c in COUNTERS]
+    names = [c.name for c in (*COUNTERS, *PER_DRIVE)]
     assert len(names) == len(set(names))
-    prom = [c.prometheus for c in COUNTERS if c.prometheus]
+    prom = [c.prometheus for c in (*COUNTERS, *PER_DRIVE) if c.prometheus]
     assert len(prom) == len(set(prom))
 
 
@@ -63,7 +63,32 @@ def test_store_counters_are_the_stores_fields() -> None:
 
     # Every counter field is declared (objects_read was a field that nothing counted or read).
     fields = {f.name for f in dataclasses.fields(StoreStats)} - {"io_latency_s"}
-    assert {c.name for c in COUNTERS if c.source == "store"} == fields
+    assert {c.name for c in (*COUNTERS, *PER_DRIVE) if c.source == "store"} == fields
+
+
+def test_bytes_written_are_counted_per_drive_in_the_stats_and_prometheus(tmp_path: Path) -> None:
+    # Wear: a drive's endurance is rated in writes of its own capacity.
+    from test_store import SHAPE, put
+
+    from kvlab_connector import metrics
+    from kvlab_connector.ring import StagingRing
+    from kvlab_connector.store import Store
+
+    m = metrics.metrics()
+    assert m is not None
+    drives = [tmp_path / "d0", tmp_path / "d1"]
+    before = [m["drive_bytes_written"].labels(drive=str(d))._value.get() for d in drives]
+    store = Store(drives, capacity_bytes=1 << 30)
+    ring = StagingRing(8 * SHAPE.stride, SHAPE.stride)
+    for i in range(3):
+        assert put(store, ring, i)
+    per_drive = store.stats.drive_bytes_written
+    assert per_drive == [3 * SHAPE.object_bytes // 2] * 2  # four sections striped over two drives
+    assert sum(per_drive) == store.stats.bytes_written
+    served = [m["drive_bytes_written"].labels(drive=str(d))._value.get() - b for d, b in zip(drives, before, strict=True)]
+    assert served == per_drive
+    assert m["drive_bytes_written"]._name == "kvlab_drive_written_bytes"
+    store.close()
 
 
 def test_a_campaign_record_carries_every_counter_prometheus_serves() -> None:

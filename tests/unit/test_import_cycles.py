@@ -1,6 +1,9 @@
 """kvlab and its connector import in one direction: no module imports one that imports it
-back, at the top or inside a function (setups.py imported setups_lmcache at its bottom, and
-setups_lmcache imported setups). Imports for type checking only are not imports."""
+back, at the top, inside a function or for type checking only (setups.py imported
+setups_lmcache at its bottom, and setups_lmcache imported setups; the store's writer and
+memory media named the Store for their types). A part that imports its own package's façade
+(`from kvlab_connector.store import Store` inside store/) imports it back too: parts import
+their siblings. The same rule as `../shared/acceptance/structure`."""
 
 from __future__ import annotations
 
@@ -30,30 +33,27 @@ def module_files() -> dict[str, Path]:
 MODULES = module_files()
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-    )
+def imports_in(source: str, module: str, is_package: bool = False) -> set[str]:
+    """The modules of MODULES that `source` (the text of `module`) imports, wherever the
+    import statement is, type checking included; relative imports resolved."""
+    out: set[str] = set()
+    base = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            target = node.module or ""
+            if node.level:
+                parts = base.split(".")[: len(base.split(".")) - (node.level - 1)]
+                target = ".".join([*parts, *([target] if target else [])])
+            out.add(target)
+            out |= {f"{target}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return (out & set(MODULES)) - {module}
 
 
 def imports_of(module: str) -> set[str]:
-    """The modules of MODULES that `module` imports, wherever the import statement is."""
-    out: set[str] = set()
-    stack: list[ast.AST] = [ast.parse(MODULES[module].read_text())]
-    while stack:
-        node = stack.pop()
-        if _type_checking_only(node):
-            stack.extend(getattr(node, "orelse", []))
-            continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out |= {f"{node.module}.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        stack.extend(ast.iter_child_nodes(node))
-    return (out & set(MODULES)) - {module}
+    path = MODULES[module]
+    return imports_in(path.read_text(), module, path.name == "__init__.py")
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -79,12 +79,25 @@ def test_the_check_sees_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_check_reads_imports_in_functions_and_not_for_type_checking() -> None:
-    # the writer names the Store for type checking only
-    text = MODULES["kvlab_connector.store.writer"].read_text()
-    assert "if TYPE_CHECKING:\n    from kvlab_connector.store.store import Store" in text
-    assert "kvlab_connector.store.store" not in imports_of("kvlab_connector.store.writer")
+def test_the_check_reads_imports_in_functions_for_type_checking_and_relative_ones() -> None:
+    probe = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import memory\n"
+        "if TYPE_CHECKING:\n"
+        "    from kvlab_connector.store.store import Store\n"
+        "def f():\n"
+        "    from kvlab_connector.store import ObjectShape\n"
+    )
+    found = imports_in(probe, "kvlab_connector.store.writer")
+    assert {"kvlab_connector.store.memory", "kvlab_connector.store.store", "kvlab_connector.store"} <= found
     assert "kvlab.setups.registry" in imports_of("kvlab.cli")  # inside a function
+
+
+def test_the_stores_parts_name_neither_the_store_nor_its_facade() -> None:
+    parts = [m for m in MODULES if m.startswith("kvlab_connector.store.") and m != "kvlab_connector.store.store"]
+    assert "kvlab_connector.store.writer" in parts and "kvlab_connector.store.memory" in parts
+    named = {m: imports_of(m) & {"kvlab_connector.store", "kvlab_connector.store.store"} for m in parts}
+    assert {m: n for m, n in named.items() if n} == {}
 
 
 def test_no_module_imports_back_what_imports_it() -> None:

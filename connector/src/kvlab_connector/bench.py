@@ -20,6 +20,10 @@ from kvlab_connector.ring import StagingRing
 from kvlab_connector.store import ObjectShape, Store
 
 NS = "be" * 16
+# `kvlab-store bench --keep`: objects left on the drives, in a namespace of their own that
+# neither an engine nor a plain bench (which clears NS) touches: a store filled for fsck,
+# eviction or restart drills.
+KEPT_NS = "beef" * 8
 
 
 @dataclass
@@ -46,9 +50,9 @@ def _pattern(i: int, s: int, n: int) -> np.ndarray:
 
 def run_store(
     paths: list[Path], size_mib: int = 1024, section_mib: int = 1, sections: int = 8,
-    ring_mib: int = 256, threads: int | None = None, verify: bool = False, salt: int = 0,
+    ring_mib: int = 256, threads: int | None = None, verify: bool = False, salt: int = 0, ns: str = NS,
 ) -> StoreRun:
-    """Write then read `size_mib` of objects; GB/s of each phase (1e9 bytes)."""
+    """Write then read `size_mib` of objects into namespace `ns`; GB/s of each phase (1e9 bytes)."""
     for name, value in (("size_mib", size_mib), ("section_mib", section_mib), ("sections", sections),
                         ("ring_mib", ring_mib)):
         if not is_positive_int(value):
@@ -62,7 +66,7 @@ def run_store(
         t0 = time.perf_counter()
         writers = []
         for i in range(n_objects):
-            w = store.begin_write(NS, _key(i, salt), shape, num_tokens=0)
+            w = store.begin_write(ns, _key(i, salt), shape, num_tokens=0)
             for s in range(sections):
                 slot = ring.acquire(timeout_s=None)
                 buf = ring.buffer(slot)
@@ -84,7 +88,7 @@ def run_store(
         opened = []
         for i in range(n_objects):
             key = _key(i, salt)
-            fds = store.open_object(NS, key, shape)
+            fds = store.open_object(ns, key, shape)
             if fds is None:
                 raise RuntimeError(f"object {i} vanished")
             opened.append(fds)
@@ -93,7 +97,7 @@ def run_store(
                 while ring.num_slots - ring.in_use < len(run) + 1:
                     bad += _retire(futures.pop(0), ring, shape, verify)
                 slots = [ring.acquire(timeout_s=None) for _ in run]
-                fut = store.submit_read_sections(fds, NS, key, shape, run, [ring.buffer(s) for s in slots])
+                fut = store.submit_read_sections(fds, ns, key, shape, run, [ring.buffer(s) for s in slots])
                 futures.append((i, run, slots, fut))
         while futures:
             bad += _retire(futures.pop(0), ring, shape, verify)

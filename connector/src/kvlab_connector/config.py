@@ -9,6 +9,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvlab_connector.admission import POLICIES
+
 
 class ConfigError(ValueError):
     pass
@@ -52,6 +54,17 @@ class ConnectorConfig:
     o_direct: str = "auto"  # auto | on | off
     metrics_port: int | None = None
     model_fingerprint: str | None = None  # override (e.g. a checkpoint's release hash)
+    # Refuse a path where no filesystem is mounted (the lab's roles set it for NVMe-oF
+    # paths): an unmounted drive would otherwise fill the root filesystem.
+    require_mount: bool = False
+    # Re-verify objects at rest in the background, coldest first, at this rate (scrub.py);
+    # None: off.
+    scrub_bytes_per_s: int | None = None
+    # Which objects are saved (admission.py): always | reused (seen before within the last
+    # admission_window keys); and an optional bound on bytes written a day.
+    admission: str = "always"
+    admission_window: int = 100_000
+    write_budget_bytes_per_day: int | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -68,7 +81,8 @@ class ConnectorConfig:
         if isinstance(paths, str) or not isinstance(paths, list | tuple) or not paths:
             raise ConfigError("kv_connector_extra_config.paths must be a non-empty list of directories")
         values = dict(extra, paths=tuple(str(p) for p in paths))
-        for name in ("capacity_bytes", "ring_bytes", "chunk_tokens", "io_threads"):
+        for name in ("capacity_bytes", "ring_bytes", "chunk_tokens", "io_threads", "scrub_bytes_per_s",
+                     "admission_window", "write_budget_bytes_per_day"):
             if name in values:
                 v = values[name]
                 if not is_positive_int(v):
@@ -80,8 +94,14 @@ class ConnectorConfig:
                     raise ConfigError(f"kv_connector_extra_config.{name} must be a number of seconds >= 0, got {v!r}")
         if values.get("io_engine", "auto") not in ("auto", "posix", "gds"):
             raise ConfigError("kv_connector_extra_config.io_engine must be one of auto, posix, gds")
+        if values.get("admission", "always") not in POLICIES:
+            raise ConfigError(f"kv_connector_extra_config.admission must be one of {', '.join(POLICIES)}")
         if values.get("o_direct", "auto") not in ("auto", "on", "off"):
             raise ConfigError("kv_connector_extra_config.o_direct must be one of auto, on, off")
+        if not isinstance(values.get("require_mount", False), bool):
+            raise ConfigError(
+                f"kv_connector_extra_config.require_mount must be true or false, got {values['require_mount']!r}"
+            )
         mp = values.get("metrics_port")
         if mp is not None and (not isinstance(mp, int) or not 0 < mp < 65536):
             raise ConfigError(f"kv_connector_extra_config.metrics_port must be a TCP port, got {mp!r}")

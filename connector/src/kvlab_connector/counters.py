@@ -15,7 +15,7 @@ class Counter:
     name: str
     help: str
     # Who counts it: "store" (StoreStats.<name>), "worker" (WorkerSide.<name>), or
-    # "scheduler" (the lookup, in the scheduler's process: Prometheus only).
+    # "scheduler" (the lookup and the scrub, in the scheduler's process: Prometheus only).
     source: str
     prometheus: str | None = None
 
@@ -37,10 +37,22 @@ COUNTERS: tuple[Counter, ...] = (
     Counter("evictions", "objects evicted to hold the capacity", "store", "kvlab_evictions"),
     Counter("evicted_bytes", "bytes evicted to hold the capacity", "store"),
     Counter("out_of_space", "drives found full below the capacity bound", "store", "kvlab_out_of_space"),
+    Counter("scrubbed_bytes", "bytes scrub re-verified at rest", "scheduler", "kvlab_scrubbed_bytes"),
+    Counter("scrub_removed", "objects scrub found damaged at rest and removed", "scheduler", "kvlab_scrub_removed"),
+    Counter("admission_refused", "objects not saved: the admission policy refused them", "scheduler",
+            "kvlab_admission_refused"),
+    Counter("over_write_budget", "objects not saved: over the write budget", "scheduler",
+            "kvlab_over_write_budget"),
     Counter("saves_dropped", "objects not saved: ring or drives saturated", "worker", "kvlab_saves_dropped"),
     Counter(
         "load_error_blocks", "blocks reported to vLLM for recompute", "worker", "kvlab_load_error_blocks"
     ),
+)
+# Counted per drive (wear: each drive's rated endurance is in writes of its own capacity):
+# StoreStats.<name> is a list, one per drive in the store's order; Prometheus labels each
+# drive's count with its path (`drive`).
+PER_DRIVE: tuple[Counter, ...] = (
+    Counter("drive_bytes_written", "bytes written to each drive", "store", "kvlab_drive_written_bytes"),
 )
 BY_NAME = {c.name: c for c in COUNTERS}
 # What a worker reports each interval (vLLM's connector stats, campaign records).

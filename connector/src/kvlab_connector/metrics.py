@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from kvlab_connector.counters import COUNTERS
+from kvlab_connector.counters import COUNTERS, PER_DRIVE
 
 READ_REQUEST_BUCKETS = tuple(float(1 << k) for k in range(12, 29))  # 4 KiB .. 256 MiB
 _lock = threading.Lock()
@@ -30,6 +30,7 @@ def metrics() -> dict[str, Any] | None:
         except ImportError:
             return None
         _metrics = {c.name: Counter(c.prometheus, c.help) for c in COUNTERS if c.prometheus}
+        _metrics |= {c.name: Counter(c.prometheus, c.help, ["drive"]) for c in PER_DRIVE if c.prometheus}
         _metrics |= {
             "io_latency": Histogram(
                 "kvlab_io_latency_seconds", "latency of one section's I/O",
@@ -65,7 +66,8 @@ def inc(name: str, value: float = 1) -> None:
         m[name].inc(value)
 
 
-def observe_io(seconds: float, read_bytes: int = 0, written_bytes: int = 0) -> None:
+def observe_io(seconds: float, read_bytes: int = 0, written_bytes: int = 0, drive: str | None = None) -> None:
+    """One I/O request over; `drive` (its path) counts written bytes against that drive."""
     m = metrics()
     if m is None:
         return
@@ -75,3 +77,5 @@ def observe_io(seconds: float, read_bytes: int = 0, written_bytes: int = 0) -> N
         m["read_request_bytes"].observe(read_bytes)
     if written_bytes:
         m["bytes_written"].inc(written_bytes)
+        if drive is not None:
+            m["drive_bytes_written"].labels(drive=drive).inc(written_bytes)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab_connector import metrics
+from kvlab_connector.admission import Admission
 from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.keys import KeyChain
 from kvlab_connector.layout import Layout
@@ -78,6 +79,7 @@ class _Request:
     chain: KeyChain
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading blocks whose objects are on the drives or being saved
+    refused: str | None = None  # why admission refused one of its objects: the later ones are not saved
     # Objects past saved_blocks known to be on the drives (they loaded fine before a
     # repair moved saved_blocks below them): never written again.
     known: set[str] = field(default_factory=set)
@@ -125,6 +127,7 @@ class SchedulerSide:
         self.namespaces = [layout.namespace(rank) for rank in ranks]
         self._reqs: dict[str, _Request] = {}
         self._finishing: dict[str, list[ChunkIO]] = {}
+        self.admission = Admission(config.admission, config.admission_window, config.write_budget_bytes_per_day)
 
     # ---- lookup ---------------------------------------------------------------------
     def _state(self, request: Any) -> _Request:
@@ -256,16 +259,26 @@ class SchedulerSide:
         c = st.saved_blocks // self.per
         while (c + 1) * self.per <= done:
             key = st.chain.chunk_key(tokens, c)
-            if key not in st.known:
+            if key not in st.known and self._admit(st, key, self.per):
                 saves.append(ChunkIO(key, st.block_ids[c * self.per:(c + 1) * self.per], rid, st.epoch))
             c += 1
             st.saved_blocks = c * self.per
         if tail and done > st.saved_blocks and done % self.per:
             m = done - c * self.per
             key = st.chain.tail_key(tokens, c, m)
-            if key not in st.known:
+            if key not in st.known and self._admit(st, key, m):
                 saves.append(ChunkIO(key, st.block_ids[c * self.per:done], rid, st.epoch))
             st.saved_blocks = done
+
+    def _admit(self, st: _Request, key: str, blocks: int) -> bool:
+        """Whether admission lets this object be written. Once one object of a request is
+        refused, the request's later ones are too: a lookup stops at the first missing
+        object, so they could never be found."""
+        if st.refused is not None:
+            self.admission.skip(key, st.refused)
+            return False
+        st.refused = self.admission.admit(key, self.layout.shape_of(blocks).object_bytes * len(self.namespaces))
+        return st.refused is None
 
     # ---- outcomes -------------------------------------------------------------------
     def update_connector_output(self, invalid_block_ids: set[int]) -> None:

@@ -20,6 +20,7 @@ from kvlab_connector.config import ConfigError, ConnectorConfig
 from kvlab_connector.keys import model_fingerprint
 from kvlab_connector.layout import layout_from_vllm
 from kvlab_connector.scheduler import SchedulerSide, StepMetadata
+from kvlab_connector.scrub import Scrubber
 from kvlab_connector.store.store import Store
 
 if TYPE_CHECKING:
@@ -47,10 +48,12 @@ class KvlabConnector(KVConnectorBase_V1):
         fingerprint = self.config.model_fingerprint or model_fingerprint(vllm_config.model_config.model)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.config.chunk_tokens, fingerprint)
         self.store = Store(
-            self.config.paths, self.config.capacity_bytes, self.config.io_threads, self.config.o_direct_flag()
+            self.config.paths, self.config.capacity_bytes, self.config.io_threads, self.config.o_direct_flag(),
+            require_mount=self.config.require_mount,
         )
         self.num_blocks = int(kv_cache_config.num_blocks)
         self._scheduler: SchedulerSide | None = None
+        self._scrubber: Scrubber | None = None
         self._worker = None
         self._last_counters: dict[str, Any] = {}
         if role == KVConnectorRole.SCHEDULER:
@@ -60,6 +63,9 @@ class KvlabConnector(KVConnectorBase_V1):
                 scan.objects, scan.bytes / 2**30, len(self.store.drives), scan.seconds,
             )
             self._scheduler = SchedulerSide(self.config, self.layout, self.store, self.layout.ranks())
+            if self.config.scrub_bytes_per_s:
+                self._scrubber = Scrubber(self.store.drives, self.store.ledger, self.config.scrub_bytes_per_s)
+                self._scrubber.start()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -108,6 +114,8 @@ class KvlabConnector(KVConnectorBase_V1):
         return self._worker.take_load_errors()
 
     def shutdown(self) -> None:
+        if self._scrubber is not None:
+            self._scrubber.stop()
         self.store.close()
 
     def get_kv_connector_stats(self) -> Any:

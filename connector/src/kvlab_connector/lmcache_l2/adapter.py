@@ -108,7 +108,7 @@ class KvlabL2Adapter(L2AdapterInterface):
         super().__init__(max_capacity_bytes=config.capacity_bytes)
         self.config = config
         self.store = Store(config.paths, config.capacity_bytes, io_threads=config.io_threads,
-                           o_direct=config.o_direct)
+                           o_direct=config.o_direct, require_mount=config.require_mount)
         # The index is the drives: the rebuild clears what dead writers left and resets
         # the usage ledger; lookups then stat the drives directly.
         scan = self.store.rebuild()
@@ -392,6 +392,8 @@ class KvlabL2Adapter(L2AdapterInterface):
             "objects_at_start": self.objects_at_start,
             "evictions": s.evictions,
             "checksum_failures": s.checksum_failures,
+            "bytes_written": s.bytes_written,
+            "drive_bytes_written": dict(zip(self.config.paths, s.drive_bytes_written, strict=True)),
             **counters,
         }
 

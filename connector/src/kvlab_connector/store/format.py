@@ -35,6 +35,7 @@ ROOT_NAME = "kvlab-v1"
 # connector are clean misses, counted and evicted like any other until they age out.
 MAGIC_XXH3 = b"KVLBSX02"
 MAGIC_WSUM = b"KVLBSW02"
+STALE_MAGICS = (b"KVLBSEC1", b"KVLBSECW")  # format 1: what fsck calls a stale format
 # magic, namespace, key, section, n_sections, payload_len, num_tokens, tag, write id, payload checksum
 _TRAILER = struct.Struct("<8s16s16sIIQIQQQ")
 _TRAILER_CHECK = struct.Struct("<Q")
@@ -75,6 +76,14 @@ def check_name(what: str, value: object) -> str:
     return value
 
 
+def check_trailer_fields(num_tokens: object, tag: object) -> None:
+    """What a writer's caller puts in every trailer, refused before anything is written
+    where the trailer's fields cannot hold it (a ValueError naming the argument)."""
+    for name, value, bits in (("num_tokens", num_tokens, 32), ("tag", tag, 64)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << bits:
+            raise ValueError(f"kvlab store: {name} must be an integer in 0..2**{bits}-1, got {value!r}")
+
+
 class FragmentNames:
     """Where an object's sections go on `self.drives` (a list of the drives' store roots)."""
 
@@ -83,19 +92,12 @@ class FragmentNames:
     def n_fragments(self, shape: ObjectShape) -> int:
         return min(len(self.drives), shape.n_sections)
 
-    def _first_fragment(self, key: str, nfrag: int) -> int:
-        return int(key[:8], 16) % nfrag
-
     def placement(self, key: str, shape: ObjectShape, section: int) -> tuple[int, int]:
         """(fragment index = drive index, byte offset in the fragment file) of a section."""
-        nfrag = self.n_fragments(shape)
-        frag = (section + self._first_fragment(key, nfrag)) % nfrag
-        return frag, (section // nfrag) * shape.stride
+        return placement(key, self.n_fragments(shape), shape, section)
 
     def fragment_bytes(self, key: str, shape: ObjectShape, frag: int) -> int:
-        nfrag = self.n_fragments(shape)
-        first = self._first_fragment(key, nfrag)
-        return sum(1 for s in range(shape.n_sections) if (s + first) % nfrag == frag) * shape.stride
+        return len(sections_of(key, self.n_fragments(shape), shape, frag)) * shape.stride
 
     def fragment_path(self, ns: str, key: str, shape: ObjectShape, frag: int) -> Path:
         check_name("namespace", ns)
@@ -114,6 +116,18 @@ class FragmentNames:
         return self.drives[frag] / ns / key[:2] / f"{key}.{frag}-{nfrag}.{self.fragment_bytes(key, shape, frag)}"
 
 
+def placement(key: str, nfrag: int, shape: ObjectShape, section: int) -> tuple[int, int]:
+    """(fragment index, byte offset in the fragment file) of a section of an object cut into
+    `nfrag` fragments: round-robin, starting at a fragment the key chooses."""
+    frag = (section + int(key[:8], 16) % nfrag) % nfrag
+    return frag, (section // nfrag) * shape.stride
+
+
+def sections_of(key: str, nfrag: int, shape: ObjectShape, frag: int) -> list[int]:
+    """The sections that fragment `frag` holds, in the order of their offsets."""
+    return [s for s in range(shape.n_sections) if placement(key, nfrag, shape, s)[0] == frag]
+
+
 def pack_trailer(
     ns: str, key: str, shape: ObjectShape, section: int, num_tokens: int, tag: int, write_id: int, magic: bytes,
     checksum: int,
@@ -125,21 +139,69 @@ def pack_trailer(
     return head + _TRAILER_CHECK.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def check_trailer(
-    trailer: bytes, ns: str, key: str, shape: ObjectShape, section: int, tag: int
-) -> tuple[bytes, int, int] | None:
-    """(magic, write id, payload checksum) of a trailer that is intact and names this very
-    section of this object in this layout; None otherwise."""
+@dataclass(frozen=True)
+class WriteFields:
+    """What every section trailer of one write carries besides the section's index and
+    checksum: a writer hands this to the memory that seals its sections."""
+
+    ns: str
+    key: str
+    shape: ObjectShape
+    num_tokens: int
+    tag: int
+    write_id: int
+
+    def trailer(self, section: int, magic: bytes, checksum: int) -> bytes:
+        return pack_trailer(self.ns, self.key, self.shape, section, self.num_tokens, self.tag, self.write_id, magic,
+                            checksum)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Trailer:
+    magic: bytes
+    ns: str
+    key: str
+    section: int
+    n_sections: int
+    section_bytes: int
+    num_tokens: int
+    tag: int
+    write_id: int
+    checksum: int
+
+
+def _intact(trailer: bytes) -> tuple | None:
+    """A trailer's fields, if it is of this format and its own check is right."""
     try:
         fields = _TRAILER.unpack_from(trailer)
         (check,) = _TRAILER_CHECK.unpack_from(trailer, _TRAILER.size)
     except struct.error:
         return None
+    if fields[0] not in (MAGIC_XXH3, MAGIC_WSUM) or check != xxhash.xxh3_64_intdigest(trailer[:_TRAILER.size]):
+        return None
+    return fields
+
+
+def parse_trailer(trailer: bytes) -> Trailer | None:
+    """Every field of an intact trailer (fsck reads objects it knows nothing of); None otherwise."""
+    fields = _intact(trailer)
+    if fields is None:
+        return None
+    magic, t_ns, t_key, *rest = fields
+    return Trailer(magic, t_ns.hex(), t_key.hex(), *rest)
+
+
+def check_trailer(
+    trailer: bytes, ns: str, key: str, shape: ObjectShape, section: int, tag: int
+) -> tuple[bytes, int, int] | None:
+    """(magic, write id, payload checksum) of a trailer that is intact and names this very
+    section of this object in this layout; None otherwise."""
+    fields = _intact(trailer)
+    if fields is None:
+        return None
     magic, t_ns, t_key, t_sec, t_n, t_len, _tokens, t_tag, t_write, t_sum = fields
     if (
-        magic not in (MAGIC_XXH3, MAGIC_WSUM)
-        or check != xxhash.xxh3_64_intdigest(trailer[:_TRAILER.size])
-        or t_ns != bytes.fromhex(ns)
+        t_ns != bytes.fromhex(ns)
         or t_key != bytes.fromhex(key)
         or t_sec != section
         or t_n != shape.n_sections

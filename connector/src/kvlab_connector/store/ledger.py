@@ -290,6 +290,18 @@ class Ledger:
                             "evicted or removed until it can", path, e.strerror or e)
             return []
 
+    def remove_files(self, paths: Sequence[str]) -> ScanResult:
+        """Delete these files of the store's own (the objects fsck found damaged), then set
+        the usage to what the drives hold: under the lock every process takes to update it."""
+
+        def run() -> ScanResult:
+            _remove_files(paths)
+            scan = self._scan(clean=False)
+            self._write_usage(scan.bytes)
+            return scan
+
+        return self._with_lock(run)  # type: ignore[return-value]
+
     # ---- by key alone, whatever the shape (the LMCache L2 adapter: LMCache looks up and
     # deletes by key, and learns an object's size only when it hands over a buffer) ------
     def exists_any_shape(self, ns: str, key: str) -> bool:
@@ -325,6 +337,18 @@ def unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def make_key_dir(path: Path) -> None:
+    """A key directory and its namespace directory, where missing; never the drive's store
+    directory above them: a drive that is gone (unmounted) stays gone, and the write fails.
+    One that exists, or that an eviction elsewhere removes again at once, is no error here:
+    the caller's open tries again."""
+    for d in (path.parent, path):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
 
 
 def _rmdir(path: str) -> None:

@@ -17,30 +17,22 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvlab_connector import metrics
-from kvlab_connector.store.format import ObjectShape
-from kvlab_connector.store.ledger import unlink_quietly
-from kvlab_connector.store.memory import HOST, SectionMemory
-
-if TYPE_CHECKING:
-    from kvlab_connector.store.store import Store
+from kvlab_connector.io.posix import PosixEngine
+from kvlab_connector.store.format import ObjectShape, WriteFields
+from kvlab_connector.store.fragments import Fragments
+from kvlab_connector.store.ledger import Ledger, make_key_dir, unlink_quietly
+from kvlab_connector.store.memory import HOST, FragmentFile, QueuedWrite, SectionMemory
+from kvlab_connector.store.stats import Recorder
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full drive, or the store's user's quota
 # One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).
 MAX_WRITE_BYTES = 8 << 20
 MAX_WRITE_BUFFERS = 256
-
-
-@dataclass(frozen=True)
-class QueuedWrite:
-    offset: int
-    buf: Any  # shape.stride bytes in `memory`: a host memoryview or a device tensor
-    nbytes: int
-    on_done: Callable[[bool], None]
-    memory: SectionMemory
+# Opens of a fragment's file that find its key directory gone (removed again by an eviction
+# elsewhere each time) before the write fails.
+_OPEN_ATTEMPTS = 8
 
 
 class ObjectWriter:
@@ -51,20 +43,27 @@ class ObjectWriter:
     `commit`. `done` always resolves: once every section came and was written (True, or
     False if any failed), or once a failed writer's writes in flight are over (False).
     Nothing here touches a drive on the caller's thread (the engine's forward pass): each
-    fragment file is created by the I/O thread that first writes to it."""
+    fragment file is created by the I/O thread that first writes to it.
 
-    def __init__(self, store: Store, ns: str, key: str, shape: ObjectShape, num_tokens: int, tag: int):
-        self.store, self.ns, self.key, self.shape = store, ns, key, shape
+    It takes what it needs of the store: where the fragments go, the I/O threads, the stats
+    it counts in, and the ledger that a commit (or a full drive) reports to."""
+
+    def __init__(
+        self, fragments: Fragments, engine: PosixEngine, stats: Recorder, ledger: Ledger,
+        ns: str, key: str, shape: ObjectShape, num_tokens: int, tag: int,
+    ):  # fmt: skip
+        self.fragments, self.engine, self.stats, self.ledger = fragments, engine, stats, ledger
+        self.ns, self.key, self.shape = ns, key, shape
         self.num_tokens, self.tag = num_tokens, tag
-        self.nfrag = store.n_fragments(shape)
+        self.nfrag = fragments.n_fragments(shape)
         ident = uuid.uuid4()
         # In every section's trailer: a reader takes sections of one write only.
         self.write_id = ident.int & (2**64 - 1)
+        self.fields = WriteFields(ns, key, shape, num_tokens, tag, self.write_id)
         suffix = f"{os.getpid()}.{ident.hex[:8]}.tmp"
-        self.final = store.fragment_paths(ns, key, shape)
+        self.final = fragments.fragment_paths(ns, key, shape)
         self.tmp = [p.with_name(f".{p.name}.{suffix}") for p in self.final]
-        self._fds: list[int | None] = [None] * self.nfrag  # opened at the first write (_open)
-        self._device_files: list[Any] = [None] * self.nfrag  # opened at the first device write
+        self._files: list[FragmentFile | None] = [None] * self.nfrag  # made at the first write (_open)
         self._submitted = [False] * shape.n_sections
         self._n_submitted = 0
         self._in_flight = 0
@@ -77,27 +76,29 @@ class ObjectWriter:
         self._lock = threading.Lock()
         self.done: Future[bool] = Future()
 
-    def _open(self, frag: int) -> int:
+    def _open(self, frag: int) -> FragmentFile:
         """The fragment's temporary file, created at its first write (on an I/O thread; one
         drain per file at a time, so never twice)."""
-        fd = self._fds[frag]
-        if fd is not None:
-            return fd
+        file = self._files[frag]
+        if file is not None:
+            return file
         if self._closed:
             raise OSError(errno.EBADF, "the writer is closed")
         p = self.tmp[frag]
-        for attempt in range(3):
-            p.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in range(_OPEN_ATTEMPTS):
             try:
-                fd = self.store._open_for(frag, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+                fd = self.fragments.open_for(frag, p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
                 break
             except FileNotFoundError:
-                if attempt == 2:
-                    raise  # an eviction removed the key directory, empty, between the two: again
+                # The key directory is not there yet, or an eviction in another process
+                # removed it, empty, since: make it (never the drive's own directory) and again.
+                if attempt == _OPEN_ATTEMPTS - 1:
+                    raise
+                make_key_dir(p.parent)
         # Allocate the fragment up front: direct writes inside the file's size run in
         # parallel, while writes that extend a file are serialized by the filesystem.
         try:
-            os.posix_fallocate(fd, 0, self.store.fragment_bytes(self.key, self.shape, frag))
+            os.posix_fallocate(fd, 0, self.fragments.fragment_bytes(self.key, self.shape, frag))
         except OSError as e:
             if e.errno in _NO_SPACE:
                 os.close(fd)
@@ -107,8 +108,8 @@ class ObjectWriter:
             if self._closed:  # closed meanwhile (a failed section elsewhere): not ours to keep
                 os.close(fd)
                 raise OSError(errno.EBADF, "the writer is closed")
-            self._fds[frag] = fd
-        return fd
+            file = self._files[frag] = FragmentFile(p, fd)
+        return file
 
     def submit_section(
         self, section: int, buf: Any, on_done: Callable[[bool], None], memory: SectionMemory = HOST
@@ -120,18 +121,11 @@ class ObjectWriter:
         if not self._admit(section, nbytes, problem, on_done):
             return
         try:
-            memory.seal(self, section, view)
+            memory.seal(self.fields, section, view)
         except Exception:
             self._unadmit(on_done)
             raise
         self._queue(section, view[:self.shape.stride], on_done, memory)
-
-    def device_file(self, frag: int, device_io: Any) -> Any:
-        """The fragment's temporary file as a device_io handle, opened at its first device
-        write (after _open created it; one drain per file at a time)."""
-        if self._device_files[frag] is None:
-            self._device_files[frag] = device_io.open(self.tmp[frag], "r+")
-        return self._device_files[frag]
 
     def _admit(self, section: object, nbytes: int, problem: str | None, on_done: Callable[[bool], None]) -> bool:
         """Whether a section goes to the drives. A misused one (an index outside the shape
@@ -177,13 +171,13 @@ class ObjectWriter:
         return False
 
     def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None], memory: SectionMemory) -> None:
-        frag, offset = self.store.placement(self.key, self.shape, section)
+        frag, offset = self.fragments.placement(self.key, self.shape, section)
         with self._lock:
             self._queued[frag].append(QueuedWrite(offset, buf, self.shape.stride, on_done, memory))
             start = not self._draining[frag]
             self._draining[frag] = True
         if start:
-            self.store.engine.submit(self._drain, frag)
+            self.engine.submit(self._drain, frag)
 
     def _drain(self, frag: int) -> None:
         """Write out whatever is queued for one fragment file, on an I/O thread.
@@ -203,24 +197,16 @@ class ObjectWriter:
                 self._write_run(frag, run)
 
     def _write_run(self, frag: int, run: list[QueuedWrite]) -> None:
-        store = self.store
-        nbytes = sum(q.nbytes for q in run)
         ok = False
         t0 = time.perf_counter()
         if not self._failed:
             try:
-                ok = run[0].memory.write(self, frag, self._open(frag), run)
+                ok = run[0].memory.write(self._open(frag), run)
             except Exception as e:  # an I/O error (or a device error): the object is not written
                 ok = False
                 if isinstance(e, OSError) and e.errno in _NO_SPACE:
                     self._out_of_space = True
-            dt = time.perf_counter() - t0
-            with store._lock:
-                store.stats.note_latency(dt)
-                if ok:
-                    store.stats.bytes_written += nbytes
-                    store.stats.write_s += dt
-            metrics.observe_io(dt, written_bytes=nbytes if ok else 0)
+            self.stats.note_write(t0, sum(q.nbytes for q in run), ok, drive=frag)  # fragment f is on drive f
         for q in run:
             q.on_done(ok)
             self._section_done(ok)
@@ -260,19 +246,9 @@ class ObjectWriter:
             if self._closed:
                 return
             self._closed = True
-        for h in self._device_files:
-            if h is not None:
-                try:
-                    h.close()
-                except Exception:
-                    pass
-        for fd in self._fds:
-            if fd is None:
-                continue
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for file in self._files:
+            if file is not None:
+                file.close()
 
     def _fail(self) -> None:
         if self.done.done():
@@ -280,13 +256,12 @@ class ObjectWriter:
         self._close_fds()
         for p in self.tmp:
             unlink_quietly(str(p))
-        with self.store._lock:
-            self.store.stats.writes_aborted += 1
+        self.stats.add(writes_aborted=1)
         if self._out_of_space:
             # After this object's files are gone (they are not the store's), and on an I/O
             # thread: an abort() can bring us here on the engine's own thread.
             try:
-                self.store.engine.submit(self.store.ledger.on_full)
+                self.engine.submit(self.ledger.on_full)
             except RuntimeError:
                 pass  # the store is closing: its bound no longer matters
         if not self.done.done():
@@ -302,14 +277,12 @@ class ObjectWriter:
         except OSError:
             for p in self.tmp + self.final:
                 unlink_quietly(str(p))
-            with self.store._lock:
-                self.store.stats.writes_aborted += 1
+            self.stats.add(writes_aborted=1)
             self.done.set_result(False)
             return
-        with self.store._lock:
-            self.store.stats.objects_written += 1
+        self.stats.add(objects_written=1)
         try:
-            self.store.ledger.account(self.shape.object_bytes)
+            self.ledger.account(self.shape.object_bytes)
         except OSError:
             # The ledger could not be updated (a full or failing first drive): the object
             # stands, and the next eviction's scan counts usage from the drives again.
