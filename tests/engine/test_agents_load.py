@@ -29,8 +29,13 @@ def small(tmp: Path) -> Path:
     data["engine"] |= {"max_model_len": 1024, "extra_engine_args": ["--num-gpu-blocks-override", "8"]}
     ag = data["scenarios"]["agents"]
     ag["concurrency"] = [4]
-    ag["source"]["generator"] |= {"turns": 3, "system_tokens": 256, "tool_output_tokens": [128, 256],
-                                  "output_tokens": [16, 24], "think_time_s": [0.1, 0.3]}
+    ag["source"]["generator"] |= {
+        "turns": 3,
+        "system_tokens": 256,
+        "tool_output_tokens": [128, 256],
+        "output_tokens": [16, 24],
+        "think_time_s": [0.1, 0.3],
+    }
     path = tmp / "embedded-agents-small.yml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -53,10 +58,14 @@ def test_the_working_set_exceeds_the_engines_own_cache(run: tuple[Summary, campa
         p = s.setups[name].agents["4"]
         assert p.errors == 0 and p.samples == 8  # 4 agents x 2 returning turns
         assert p.engine_cache_tokens == 8 * 128  # the override took: 8 blocks of the CPU engine's 128 tokens
-        assert p.working_set_tokens and p.working_set_over_engine_cache and p.working_set_over_engine_cache > 1.5
+        assert (
+            p.working_set_tokens and p.working_set_over_engine_cache and p.working_set_over_engine_cache > 1.5
+        )
 
 
-def test_returning_turns_come_back_from_kvlab_and_saves_are_counted(run: tuple[Summary, campaign.Campaign]) -> None:
+def test_returning_turns_come_back_from_kvlab_and_saves_are_counted(
+    run: tuple[Summary, campaign.Campaign],
+) -> None:
     s, _ = run
     k, b = s.setups["kvlab"].agents["4"], s.setups["baseline"].agents["4"]
     assert k.returning_reusable_hit_share is not None and k.returning_reusable_hit_share >= 0.9

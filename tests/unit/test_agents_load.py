@@ -30,20 +30,50 @@ def test_the_working_set_counts_a_shared_prefix_once_and_partial_blocks_by_their
 
 
 def test_the_engine_cache_is_blocks_times_block_size_from_the_served_cache_config() -> None:
-    key = ('vllm:cache_config_info{_block_size_resolved="True",block_size="128",num_cpu_blocks="None",'
-           'num_gpu_blocks="16",num_gpu_blocks_override="16"}')
+    key = (
+        'vllm:cache_config_info{_block_size_resolved="True",block_size="128",num_cpu_blocks="None",'
+        'num_gpu_blocks="16",num_gpu_blocks_override="16"}'
+    )
     assert engine_cache_tokens_of({key: 1.0}) == 2048
     assert engine_cache_tokens_of({'vllm:cache_config_info{block_size="16"}': 1.0}) is None
     assert engine_cache_tokens_of({}) is None
 
 
 def agents_records(setup: str, ws: int | None, cache: int | None, counters: dict) -> list[dict]:
-    recs = [{"kind": "request", "setup": setup, "scenario": "agents", "concurrency": 8, "agent": 0, "session": 0,
-             "turn": 1, "reusable_tokens": 600, "ttft_s": 0.5, "total_s": 1.5, "prompt_tokens": 900,
-             "output_tokens": 20, "cached_tokens": 512, "max_gap_s": 0.1, "t_start": 0.0, "t_end": 1.5}]
-    recs.append({"kind": "step", "scenario": "agents", "setup": setup, "concurrency": 8, "wall_s": 10.0,
-                 "frozen_threshold_s": 7.5, "hit_min_fraction": 0.5, "counters": counters,
-                 "working_set_tokens": ws, "engine_cache_tokens": cache})
+    recs = [
+        {
+            "kind": "request",
+            "setup": setup,
+            "scenario": "agents",
+            "concurrency": 8,
+            "agent": 0,
+            "session": 0,
+            "turn": 1,
+            "reusable_tokens": 600,
+            "ttft_s": 0.5,
+            "total_s": 1.5,
+            "prompt_tokens": 900,
+            "output_tokens": 20,
+            "cached_tokens": 512,
+            "max_gap_s": 0.1,
+            "t_start": 0.0,
+            "t_end": 1.5,
+        }
+    ]
+    recs.append(
+        {
+            "kind": "step",
+            "scenario": "agents",
+            "setup": setup,
+            "concurrency": 8,
+            "wall_s": 10.0,
+            "frozen_threshold_s": 7.5,
+            "hit_min_fraction": 0.5,
+            "counters": counters,
+            "working_set_tokens": ws,
+            "engine_cache_tokens": cache,
+        }
+    )
     return recs
 
 
@@ -56,14 +86,18 @@ def test_each_agents_cell_reports_the_working_set_over_the_engine_cache_and_the_
     assert kv.working_set_over_engine_cache == pytest.approx(3.75)
     assert kv.saves_dropped == 3.0
     base = s.setups["baseline"].agents["8"]
-    assert base.working_set_over_engine_cache is None and base.saves_dropped is None  # not measured: not made up
+    assert (
+        base.working_set_over_engine_cache is None and base.saves_dropped is None
+    )  # not measured: not made up
     rows = dict(agents_load_rows())
     assert rows["Working set / engine's own KV cache, tokens"](kv) == "7,680/2,048 = 3.8×"
     assert rows["Working set / engine's own KV cache, tokens"](base) == "—"
     assert rows["Saves dropped"](kv) == "3" and rows["Saves dropped"](base) == "—"
 
 
-def test_the_load_campaign_runs_the_seeds_concurrency_with_enough_returning_turns_and_a_large_working_set() -> None:
+def test_the_load_campaign_runs_the_seeds_concurrency_with_enough_returning_turns_and_a_large_working_set() -> (
+    None
+):
     c, _ = campaign.load(LOAD)
     assert c.name == "embedded-agents"
     assert set(c.setups) >= {"kvlab", "lmcache-mp", "lmcache-mp+kvlab", "baseline"}
