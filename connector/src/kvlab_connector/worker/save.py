@@ -78,7 +78,11 @@ class SavePipeline:
         n_layers = self.t.n_layers
         ring = self.t.medium.ring
         loading = {c.req_id for c in meta.loads}
+        this_layer: set[str] = set()
         for chunk in meta.saves:
+            if chunk.key in this_layer:
+                continue  # planned twice (the scheduler plans each once): one writer, each section once
+            this_layer.add(chunk.key)
             if self._poisoned_save(chunk):
                 continue  # computed over blocks that failed to load (end_step aborts it)
             entry = self._writers.get(chunk.key)
