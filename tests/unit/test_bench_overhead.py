@@ -12,14 +12,17 @@ from kvlab.bench import overhead as bo
 from kvlab.cli import main
 
 
-def fake_measure(decode: dict[str, float], miss: dict[str, float], seen: list[tuple[str, int]]) -> bo.Measure:
+def fake_measure(decode: dict[str, float], miss: dict[str, float], seen: list[tuple[str, int]],
+                 save: dict[str, float] | None = None, decode_save: dict[str, float] | None = None) -> bo.Measure:
     """kvlab's figures a fixed share of baseline's, both drifting with the repeat (a machine
     whose speed changes): the ratio within a repeat stays exact."""
 
     def measure(setup: str, repeat: int) -> bo.LifeSample:
         seen.append((setup, repeat))
         drift = 1 + 0.1 * repeat
-        return bo.LifeSample(setup, repeat, decode[setup] / drift, miss[setup] * drift, 30.0)
+        return bo.LifeSample(setup, repeat, decode[setup] / drift, miss[setup] * drift, 30.0,
+                             save_ttft_s=save[setup] * drift if save else None,
+                             decode_save_tok_s=decode_save[setup] / drift if decode_save else None)
 
     return measure
 
@@ -42,6 +45,37 @@ def test_ratios_are_kvlab_over_baseline_within_each_repeat() -> None:
         assert res[f"{key}_q1"] == pytest.approx(want) and res[f"{key}_q3"] == pytest.approx(want)
         assert isinstance(res[key], float)
     assert res["per_repeat"]["order"][1] == ["kvlab", "baseline"]
+
+
+def test_saving_figures_are_kvlab_over_baseline_within_each_repeat() -> None:
+    samples = bo.run_overhead(7, fake_measure({"baseline": 100, "kvlab": 99}, {"baseline": 0.1, "kvlab": 0.1}, [],
+                                              save={"baseline": 2.0, "kvlab": 2.08},
+                                              decode_save={"baseline": 80, "kvlab": 76}),
+                              progress=lambda m: None)
+    res = bo.summarize(samples, bo.Workload(), {})
+    assert res["repeats"] == 7
+    for key, want in (("compute_save_ttft_over_baseline", 1.04), ("decode_save_rate_over_baseline", 0.95)):
+        assert res[key] == pytest.approx(want)  # the drift cancels within a repeat
+        assert res[f"{key}_q1"] == pytest.approx(want) and res[f"{key}_q3"] == pytest.approx(want)
+        assert res["per_repeat"][key] == pytest.approx([want] * 7)
+    # each setup's own medians over the repeats, beside the ratios
+    assert res["kvlab"]["save_ttft_s"] == pytest.approx(2.08 * 1.3)
+    assert res["baseline"]["decode_save_tok_s"] == pytest.approx(80 / 1.3)
+
+
+def test_saving_quartiles_and_a_life_without_them() -> None:
+    lives = [bo.LifeSample("baseline", r, 100.0, 0.1, 1.0, save_ttft_s=2.0, decode_save_tok_s=50.0) for r in range(4)]
+    lives += [bo.LifeSample("kvlab", r, 100.0, 0.1, 1.0, save_ttft_s=2.0 * x, decode_save_tok_s=50.0)
+              for r, x in enumerate((1.2, 1.0, 1.1, 0.9))]
+    res = bo.summarize(lives, bo.Workload(), {})
+    assert res["compute_save_ttft_over_baseline"] == pytest.approx(1.05)
+    assert (res["compute_save_ttft_over_baseline_q1"], res["compute_save_ttft_over_baseline_q3"]) == (
+        pytest.approx(0.975), pytest.approx(1.125))
+    assert res["decode_save_rate_over_baseline"] == pytest.approx(1.0)
+    # a life that did not measure saving: the figure is left out, not made up
+    lives[0] = bo.LifeSample("baseline", 0, 100.0, 0.1, 1.0)
+    res = bo.summarize(lives, bo.Workload(), {})
+    assert "compute_save_ttft_over_baseline" not in res and "decode_rate_over_baseline" in res
 
 
 def test_quartiles_spread_around_the_median() -> None:
@@ -67,11 +101,13 @@ def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
 
     monkeypatch.setattr(kvlab.model, "ensure_tiny", lambda: tmp_path / "tiny")
     monkeypatch.setattr(bo, "engine_measure", lambda params, work, w: fake_measure(
-        {"baseline": 120, "kvlab": 118}, {"baseline": 0.05, "kvlab": 0.051}, []))
+        {"baseline": 120, "kvlab": 118}, {"baseline": 0.05, "kvlab": 0.051}, [],
+        {"baseline": 1.5, "kvlab": 1.52}, {"baseline": 90, "kvlab": 89}))
     assert main(["bench", "overhead", "--repeats", "5", "--json", "--workdir", str(tmp_path / "w")]) == 0
     out, err = capsys.readouterr()
     res = json.loads(out.strip().splitlines()[-1])
-    for key in ("decode_rate_over_baseline", "miss_ttft_over_baseline"):
+    for key in ("decode_rate_over_baseline", "miss_ttft_over_baseline", "compute_save_ttft_over_baseline",
+                "decode_save_rate_over_baseline"):
         assert {key, f"{key}_q1", f"{key}_q3"} <= set(res) and float(res[key]) > 0
     assert res["repeats"] == 5 and res["schema"] == "kvlab.bench.overhead/1"
     prov = res["provenance"]
@@ -81,6 +117,20 @@ def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
     assert prov["engine_argv_difference"]["baseline_only"] == []
     assert any("kv-transfer-config" in x or "KVLabConnector" in x for x in prov["engine_argv_difference"]["kvlab_only"])
     assert "[10/10 ·" in err and "repeat 5/5" in err  # progress while it runs
+
+
+def test_the_engines_hold_the_saved_prompt_and_seven_repeats_are_the_default(tmp_path: Path) -> None:
+    w = bo.Workload()
+    params = bo.engine_params(tmp_path / "tiny", tmp_path, w)
+    assert params.max_model_len > w.save_prompt_tokens  # the computed-and-saved prompt fits
+    # a chunk (512 tokens) fills while the decode-while-saving request decodes, not before
+    assert w.decode_save_prompt_tokens % 512 != 0
+    assert w.decode_save_prompt_tokens // 512 < (w.decode_save_prompt_tokens + w.decode_save_tokens - 1) // 512
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    bo.register(sub)
+    assert sub.choices["overhead"].parse_args([]).repeats >= 7
 
 
 def test_a_repeat_count_below_one_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

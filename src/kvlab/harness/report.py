@@ -228,6 +228,7 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
         ("Wall time of the step, s", lambda p: f3(p.wall_s, 1)),
         ("Answers · returning · failed", lambda p: f"{p.answers}·{p.samples}·{p.errors}"),
         ("External prefix-cache hits, tokens", lambda p: f3(p.external_hit_tokens, 0)),
+        *agents_load_rows(),
     ]
     blocks = sorted({s.block_size for _, s, _ in live if s.block_size})
     answers = sorted({answers_of(r.campaign) for _, _, r in live})
@@ -241,6 +242,20 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     for title, fn in metrics_rows:
         out.append(f"| {title} | " + " | ".join(cell(s, fn) for _, s, _ in live) + " |")
     return out
+
+
+def agents_load_rows() -> list[tuple[str, Any]]:
+    """The agents table's load rows: the working set against the engine's own KV cache, and
+    the saves kvlab dropped (— where a setup does not count them)."""
+    def ratio(p: Any) -> str:
+        if p.working_set_over_engine_cache is None:
+            return "—"
+        return f"{p.working_set_tokens:,}/{p.engine_cache_tokens:,} = {p.working_set_over_engine_cache:.1f}×"
+
+    return [
+        ("Working set / engine's own KV cache, tokens", ratio),
+        ("Saves dropped", lambda p: f3(p.saves_dropped, 0)),
+    ]
 
 
 def answers_of(campaign: dict[str, Any]) -> str:

@@ -14,7 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,14 @@ class Target:
         except (OSError, urllib.error.URLError):
             return None
 
+    def engine_cache_tokens(self) -> int | None:
+        """Tokens the engine's own KV cache holds (blocks × block size, vLLM's cache config as
+        served, num_gpu_blocks_override included); None if not served."""
+        try:
+            return engine_cache_tokens_of(self.server.metrics())
+        except (OSError, urllib.error.URLError):
+            return None
+
     def drop_page_cache(self, why: str) -> str | None:
         """Drop the page cache; None when dropped, else the reason (noted once per reason)."""
         refused = drop_page_cache()
@@ -166,6 +174,34 @@ def block_size_of(engine_metrics: dict[str, float]) -> int | None:
             if m:
                 return int(m[1])
     return None
+
+
+def engine_cache_tokens_of(engine_metrics: dict[str, float]) -> int | None:
+    """num_gpu_blocks × block_size from vLLM's vllm:cache_config_info gauge."""
+    for key in engine_metrics:
+        if key.startswith("vllm:cache_config_info{"):
+            blocks = re.search(r'[{,]num_gpu_blocks="(\d+)"', key)
+            size = re.search(r'[{,]block_size="(\d+)"', key)
+            if blocks and size:
+                return int(blocks[1]) * int(size[1])
+    return None
+
+
+def working_set_tokens(prompts: Iterable[Sequence[int]], block_size: int) -> int:
+    """The distinct prompt tokens of `prompts` (each agent's latest), counted as a prefix cache
+    holds them: whole blocks of `block_size` tokens keyed by everything before them, so a
+    prefix the agents share (their system prompt) counts once; a partial last block counts its
+    tokens."""
+    seen: set[tuple[int, ...]] = set()
+    tokens = 0
+    for prompt in prompts:
+        prompt = tuple(prompt)
+        for start in range(0, len(prompt), block_size):
+            key = prompt[:start + block_size]
+            if key not in seen:
+                seen.add(key)
+                tokens += len(key) - start
+    return tokens
 
 
 def page_cache_fields(refused: str | None) -> dict[str, Any]:
@@ -300,6 +336,8 @@ def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
     t0 = time.perf_counter()
     t0_wall = time.time()
 
+    latest: dict[int, tuple[int, ...]] = {}  # each agent's latest prompt sent: the working set
+
     def run_agent(a: int, turns: tuple[TurnSpec, ...]) -> None:
         carries = any(turn.after_answer for turn in turns)
         previous: tuple[int, ...] | None = None  # the session's last prompt, while its answer is known
@@ -319,6 +357,7 @@ def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
                 continue
             prompt, reusable = turn.sent(previous, answer)
             carried = {"carried_answer_tokens": len(answer)} if turn.after_answer else {}
+            latest[a] = tuple(prompt)
             c = measured(t, prompt, turn.max_tokens, {**base, "reusable_tokens": reusable, **carried},
                          with_counters=False, token_ids=carries)
             previous, answer = None, ()
@@ -336,7 +375,10 @@ def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
     for th in threads:
         th.join()
     wall = time.perf_counter() - t0
+    block = t.block_size()
     t.sink({"kind": "step", "scenario": "agents", "setup": t.setup, "concurrency": n, "wall_s": wall,
+            "working_set_tokens": working_set_tokens(latest.values(), block) if block else None,
+            "engine_cache_tokens": t.engine_cache_tokens(),
             "t_start": t0_wall, "turns": len(wl.turns), "frozen_threshold_s": sc.frozen_threshold_s,
             "hit_min_fraction": sc.hit_min_fraction, "counters": delta(t.counters(), before),
             "answers": sc.source.generator.answers if sc.source.generator else None})

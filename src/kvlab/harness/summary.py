@@ -49,6 +49,17 @@ class AgentsPoint(_M):
     answers: int
     errors: int
     external_hit_tokens: float | None = Field(None, description="vLLM's external prefix-cache hits over the step")
+    working_set_tokens: int | None = Field(
+        None, description="distinct prompt tokens of every agent's latest turn at the step's end (whole blocks "
+        "keyed by their prefix: a shared system prompt counts once)")
+    engine_cache_tokens: int | None = Field(
+        None, description="what the engine's own KV cache holds: blocks × block size (num_gpu_blocks_override "
+        "included)")
+    working_set_over_engine_cache: float | None = Field(
+        None, description="working_set_tokens / engine_cache_tokens: above 1, returning turns must come back "
+        "from the tier")
+    saves_dropped: float | None = Field(
+        None, description="kvlab's saves dropped over the step (no ring slot in time); None: not a kvlab setup")
 
 
 class LMCacheBreakdown(_M):
@@ -209,6 +220,15 @@ def _over(value: float | None, ref: RecomputeReference | None) -> float | None:
     return value / ref.ttft_s if value is not None and ref and ref.ttft_s else None
 
 
+def agents_load_fields(step: dict[str, Any]) -> dict[str, Any]:
+    """An agents step's load: its working set against the engine's own cache, and the saves
+    kvlab dropped."""
+    ws, cache = step.get("working_set_tokens"), step.get("engine_cache_tokens")
+    return {"working_set_tokens": ws, "engine_cache_tokens": cache,
+            "working_set_over_engine_cache": ws / cache if ws is not None and cache else None,
+            "saves_dropped": (step.get("counters") or {}).get("connector_saves_dropped")}
+
+
 def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
                     avg_rounds: tuple[int, int] | None, reference: RecomputeReference | None = None) -> SetupSummary:
     skipped = next((r["reason"] for r in recs if r.get("kind") == "skip"), None)
@@ -275,6 +295,7 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
             wall_s=step.get("wall_s"),
             samples=len(ret_ttft), answers=len(ok), errors=len(rs) - len(ok),
             external_hit_tokens=(step.get("counters") or {}).get("external_hits"),
+            **agents_load_fields(step),
         )
 
     mem = [r for r in recs if r.get("kind") == "memory"]
