@@ -53,6 +53,15 @@ def missing_paths(targets: Iterable[Mapping], controllers: Iterable[Mapping]) ->
     return problems
 
 
+def expected_iopolicy(configured: str, kernel_release: str) -> str:
+    """The I/O policy a configured value means on this kernel: `auto` is queue-depth from Linux
+    6.11 (where the policy exists), round-robin before it; any other value is itself."""
+    if configured != "auto":
+        return configured
+    m = re.match(r"(\d+)\.(\d+)", kernel_release)
+    return "queue-depth" if m and (int(m.group(1)), int(m.group(2))) >= (6, 11) else "round-robin"
+
+
 def iopolicy_problems(subsystems: Iterable[str], policies: Mapping[str, str], expected: str) -> list[str]:
     """Each subsystem's multipath I/O policy (/sys/class/nvme-subsystem/*/iopolicy, by subsystem
     NQN) is the configured one."""

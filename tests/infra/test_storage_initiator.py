@@ -51,9 +51,11 @@ SUBSYSTEM_POLICIES = (
 
 def test_multipath_iopolicy_as_configured(host, inv):
     """Native multipath spreads I/O over the paths only with the configured I/O policy
-    (round-robin or queue-depth): the kernel's default, numa, keeps it on one port."""
+    (round-robin or queue-depth; `auto`: queue-depth from Linux 6.11): the kernel's default, numa,
+    keeps it on one port."""
     policies = dict(line.split("|", 1) for line in host.check_output(SUBSYSTEM_POLICIES).splitlines() if "|" in line)
-    problems = vc.iopolicy_problems(expected_subsystems(inv), policies, inv["iopolicy"])
+    want = vc.expected_iopolicy(inv["iopolicy"], host.check_output("uname -r"))
+    problems = vc.iopolicy_problems(expected_subsystems(inv), policies, want)
     assert not problems, "\n".join(problems)
 
 

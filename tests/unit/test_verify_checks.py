@@ -52,6 +52,12 @@ def test_iopolicy_read_back():
     assert "no NVMe subsystem" in vc.iopolicy_problems([NQN], {}, "round-robin")[0]
 
 
+def test_auto_iopolicy_is_queue_depth_from_6_11():
+    assert vc.expected_iopolicy("auto", "6.12.118+deb13-amd64") == "queue-depth"
+    assert vc.expected_iopolicy("auto", "6.8.0-45-generic") == "round-robin"
+    assert vc.expected_iopolicy("round-robin", "6.12.0") == "round-robin"
+
+
 def test_ping_pairs_match_subnets_and_the_command_is_full_size_do_not_fragment():
     netdevs = [{"name": "eth1", "address": "10.77.0.2/24"}, {"name": "eth2", "address": "10.78.0.2/24"}]
     assert vc.ping_pairs(netdevs, ["10.77.0.1", "10.78.0.1", "192.168.1.1"]) == [
