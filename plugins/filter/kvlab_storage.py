@@ -48,6 +48,19 @@ def target_subsystems(exports, target, hostvars):
     return out
 
 
+def target_host_secrets(exports, target, hostvars):
+    """nvmeof_target_host_secrets of one target: for each node it exports to, the DH-HMAC-CHAP pair
+    that node connects with (its nvmeof_initiator_dhchap_secret and _ctrl_secret), by its host NQN."""
+    out = {}
+    for e in _exports(exports, "target", target):
+        node = hostvars[e["node"]] if e["node"] in hostvars else {}  # noqa: SIM401  (hostvars has no .get)
+        nqn, secret = node.get("nvmeof_initiator_hostnqn"), node.get("nvmeof_initiator_dhchap_secret")
+        if nqn and secret:
+            ctrl = node.get("nvmeof_initiator_dhchap_ctrl_secret")
+            out[nqn] = {"dhchap_key": secret, **({"dhchap_ctrl_key": ctrl} if ctrl else {})}
+    return out
+
+
 def target_ports(exports, target, netdevs, transport, service=4420):
     """nvmeof_target_ports of one target: one port per fabric netdev, exporting all its subsystems."""
     nqns = sorted(e["nqn"] for e in _exports(exports, "target", target))
@@ -91,6 +104,7 @@ class FilterModule:
         return {
             "kvlab_target_subsystems": target_subsystems,
             "kvlab_target_ports": target_ports,
+            "kvlab_target_host_secrets": target_host_secrets,
             "kvlab_initiator_targets": initiator_targets,
             "kvlab_initiator_filesystems": initiator_filesystems,
         }

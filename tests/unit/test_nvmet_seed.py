@@ -25,7 +25,7 @@ SECOND = "nqn.2026-01.io.kvlab.test:store1"
 def seed() -> dict:
     """A valid seed with every section: two subsystems, drives by serial and WWN, a secret, QoS."""
     return {
-        "hosts": [{"nqn": HOST, "dhchap_key": "DHHC-1:00:ZmFrZS1rZXktbm90LWEtc2VjcmV0LTAwMDAwMDAwMDA=:"},
+        "hosts": [{"nqn": HOST, "dhchap_key": "DHHC-1:00:ZmFrZS1rZXktbm90LWEtc2VjcmV0LTAwMDAwMDAwMDC8+9qF:"},
                   {"nqn": HOST2}],
         "subsystems": [
             {"nqn": OURS, "serial": "kvlab-store0", "allowed_hosts": [HOST],
