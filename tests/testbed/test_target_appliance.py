@@ -246,6 +246,8 @@ def appliance_inventory(fleet: Fleet, image_dir: Path, target: Machine, node: Ma
     hosts_file = tb.write_inventory(state, root / "hosts.yml")
     hosts = yaml.safe_load(hosts_file.read_text())
     hosts["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["nvmeof_target_appliance"] = True
+    # its node connects by hand, without the secrets `kvlab testbed up` makes for the testbed
+    hosts["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["nvmeof_target_dhchap_required"] = False
     # these VMs have one fabric link (the testbed's first subnet), not the testbed's two
     node_vars = hosts["all"]["children"]["gpu_nodes"]["children"]["h200"]["hosts"]["node"]
     for host_vars in (hosts["all"]["children"]["nvmeof_targets"]["hosts"]["target"], node_vars):

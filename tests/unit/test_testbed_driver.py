@@ -142,17 +142,22 @@ def test_dhchap_secret_is_what_nvme_gen_dhchap_key_writes():
 
 
 def test_run_time_vars_carry_the_secrets_into_the_roles_variables_readable_by_the_owner_only(tmp_path):
+    """The node's pair (testbed_dhchap, where the lab has its vault) into the node's variables, and
+    the target's allowlist keys derived from it (as in the lab)."""
     state = dataclasses.replace(_state(tmp_path), dhchap={"host": "DHHC-1:00:aG9zdA==:", "ctrl": "DHHC-1:00:Y3RybA==:"})
     path = testbed.write_inventory(state, tmp_path / "inv" / "hosts.yml")
-    target = yaml.safe_load((path.parent / "host_vars/target/up.yml").read_text())
-    node = yaml.safe_load((path.parent / "host_vars/node/up.yml").read_text())
-    nqn = testbed.node_hostnqn()
-    assert nqn.startswith("nqn.2014-08.org.nvmexpress:uuid:")
-    assert target["nvmeof_target_host_secrets"] == {
-        nqn: {"dhchap_key": "DHHC-1:00:aG9zdA==:", "dhchap_ctrl_key": "DHHC-1:00:Y3RybA==:"}
-    }
+    assert yaml.safe_load((path.parent / "host_vars/target/up.yml").read_text()) == {"ansible_port": 2201}
+    up = yaml.safe_load((path.parent / "group_vars/all/up.yml").read_text())
+    assert up["testbed_dhchap"] == {"node": {"secret": "DHHC-1:00:aG9zdA==:", "ctrl_secret": "DHHC-1:00:Y3RybA==:"}}
+    inv = inventory.load(path)
+    node = inv.render("node", ["nvmeof_initiator_hostnqn", "nvmeof_initiator_dhchap_secret",
+                               "nvmeof_initiator_dhchap_ctrl_secret"])  # fmt: skip
     assert node["nvmeof_initiator_dhchap_secret"] == "DHHC-1:00:aG9zdA==:"
     assert node["nvmeof_initiator_dhchap_ctrl_secret"] == "DHHC-1:00:Y3RybA==:"
+    nqn = node["nvmeof_initiator_hostnqn"]
+    got = inv.render("target", ["nvmeof_target_host_secrets", "nvmeof_target_dhchap_required"])
+    assert got == {"nvmeof_target_dhchap_required": True, "nvmeof_target_host_secrets": {
+        nqn: {"dhchap_key": "DHHC-1:00:aG9zdA==:", "dhchap_ctrl_key": "DHHC-1:00:Y3RybA==:"}}}  # fmt: skip
     for f in path.parent.rglob("up.yml"):
         assert f.stat().st_mode & 0o077 == 0, f
     # and the state file that keeps them

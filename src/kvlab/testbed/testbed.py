@@ -120,18 +120,12 @@ def committed_inventory() -> Path:
     return paths.repo_root() / "inventories" / "testbed"
 
 
-def node_hostnqn() -> str:
-    """The node's host NQN, from the committed inventory."""
-    hosts = yaml.safe_load((committed_inventory() / "hosts.yml").read_text())
-    node = hosts["all"]["children"]["gpu_nodes"]["children"]["h200"]["hosts"]["node"]
-    return node["nvmeof_initiator_hostnqn"]
-
-
 def run_time_vars(state: State) -> dict[str, dict]:
     """What `up` picked, by file under the inventory folder: the key and transport for every
     host, each VM's forwarded SSH port, and where the testbed has them, the node's DH-HMAC-CHAP
-    secrets in the roles' variables (the target's per allowed host, the node's own pair).
-    Everything else is in the committed inventory."""
+    pair (testbed_dhchap, where the lab has its vault: the node's nvmeof_initiator_dhchap_secret
+    and _ctrl_secret, and the target's allowlist keys, derive from it). Everything else is in the
+    committed inventory."""
     out = {
         f"group_vars/all/{UP_FILE}": {
             "ansible_ssh_private_key_file": state.key,
@@ -141,16 +135,11 @@ def run_time_vars(state: State) -> dict[str, dict]:
     for m in state.machines:
         out[f"host_vars/{m.name}/{UP_FILE}"] = {"ansible_port": m.ssh_port}
     if state.dhchap:
-        nqn = node_hostnqn()
-        for m in state.machines:
-            values = out[f"host_vars/{m.name}/{UP_FILE}"]
-            if "nvmeof_targets" in GROUPS.get(m.name, ()):
-                values["nvmeof_target_host_secrets"] = {
-                    nqn: {"dhchap_key": state.dhchap["host"], "dhchap_ctrl_key": state.dhchap["ctrl"]}
-                }
-            if "nvmeof_initiators" in GROUPS.get(m.name, ()):
-                values["nvmeof_initiator_dhchap_secret"] = state.dhchap["host"]
-                values["nvmeof_initiator_dhchap_ctrl_secret"] = state.dhchap["ctrl"]
+        out[f"group_vars/all/{UP_FILE}"]["testbed_dhchap"] = {
+            m.name: {"secret": state.dhchap["host"], "ctrl_secret": state.dhchap["ctrl"]}
+            for m in state.machines
+            if "nvmeof_initiators" in GROUPS.get(m.name, ())
+        }
     return out
 
 
