@@ -14,6 +14,10 @@ pytestmark = pytest.mark.lab
 
 
 def test_time_sync_chrony_or_timesyncd_synchronised(host):
+    if host.backend.NAME != "ansible":
+        pytest.skip(
+            f"{host_name(host)} is not an inventory host: run with --hosts=ansible://<group> --ansible-inventory=..."
+        )
     timedatectl = host.run("timedatectl show -p NTPSynchronized 2>/dev/null").stdout
     chrony = host.run("chronyc -n tracking 2>/dev/null").stdout if host.exists("chronyc") else ""
     if not timedatectl and not chrony:
