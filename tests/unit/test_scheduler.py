@@ -20,7 +20,7 @@ from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.keys import KeyChain
 from kvlab_connector.layout import Layout
 from kvlab_connector.scheduler import ChunkIO, SchedulerSide, StepMetadata
-from kvlab_connector.store import ObjectShape
+from kvlab_connector.store.store import ObjectShape
 
 BS, CHUNK, PER = 16, 64, 4
 LAYOUT = Layout(("l0", "l1"), BS, 1024, CHUNK, "spec", "cpu", "fp", 1, False)
@@ -262,6 +262,41 @@ def test_chunked_prefill_saves_each_chunk_once_and_the_tail_at_the_end() -> None
     per_step = [[len(c.block_ids) for c in m.saves] for m in metas]
     assert per_step == [[], [4], [], [4, 1]]
     assert len({c.key for c in e.saved}) == len(e.saved)
+
+
+def test_requests_sharing_a_prefix_in_one_step_save_each_object_once() -> None:
+    """Concurrent requests with one prompt prefix (vLLM's bench `prefix_repetition`, agents
+    sharing a system prompt) are scheduled in the same step: each object is one save. Planned
+    once per request, the worker was handed the object twice and its second section 0 killed
+    the engine ("section 0 was submitted twice")."""
+    e = Engine()
+    prefix = tokens(128)
+    reqs = {r: Req(r, prefix + tokens(30, seed=i)) for i, r in enumerate("abc", start=2)}
+    for r in reqs.values():
+        assert e.admit(r) == 0
+    meta = e.step({r: len(q.all_token_ids) for r, q in reqs.items()}, reqs)
+    keys = [c.key for c in meta.saves]
+    assert len(keys) == len(set(keys)), f"an object planned twice in one step: {keys}"
+    assert chain().chunk_key(prefix, 0) in keys and chain().chunk_key(prefix, 1) in keys
+    assert len(keys) == 2 + 3, "the shared chunks once, each request's own tail"
+
+
+def test_requests_finishing_with_one_answer_save_it_once() -> None:
+    e = Engine()
+    prompt = tokens(100)
+    reqs = {r: Req(r, list(prompt)) for r in "ab"}
+    for r in reqs.values():
+        e.admit(r)
+    e.step({r: 100 for r in reqs}, reqs)
+    for i in range(20):  # the same answer, 120 tokens computed: a tail of 3 blocks past chunk 0
+        for r in reqs.values():
+            r.output.append(6000 + i)
+        e.step({r: 1 for r in reqs}, reqs)
+    assert all(e.finish(r) for r in reqs.values())
+    meta = e.step({}, {}, finished=set(reqs))
+    assert set(meta.finish_saves) == {"a", "b"}, "both requests are reported finished"
+    keys = [c.key for chunks in meta.finish_saves.values() for c in chunks] + [c.key for c in meta.saves]
+    assert keys and len(keys) == len(set(keys)), f"an object planned twice in one step: {keys}"
 
 
 # ---- prefix partly in vLLM's own cache ------------------------------------------------

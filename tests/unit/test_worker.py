@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvlab_connector.config import ConnectorConfig
-from kvlab_connector.io_posix import PosixEngine
+from kvlab_connector.io.posix import PosixEngine
 from kvlab_connector.layout import Layout
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
-from kvlab_connector.store import Store
-from kvlab_connector.worker import WorkerSide
+from kvlab_connector.store.store import Store
+from kvlab_connector.worker.worker import WorkerSide
 
 LAYERS, BLOCKS, HEADS, BS, HD = 3, 16, 2, 16, 8  # CPU layout: [blocks, heads, block_size, 2*head_dim]
 CHUNK = 32  # two blocks per chunk
@@ -110,7 +110,7 @@ def test_blocks_interleaved_across_layers_load_in_place(tmp_path: Path) -> None:
     ([-1, -1], []),
 ])
 def test_block_runs(ids: list[int], runs: list[tuple[int, int, int]]) -> None:
-    from kvlab_connector.worker import _runs
+    from kvlab_connector.worker.worker import _runs
 
     assert _runs(ids) == runs
 
@@ -164,6 +164,19 @@ def test_a_hung_drive_becomes_load_errors_not_a_hung_engine(tmp_path: Path) -> N
         assert torch.equal(t[[6, 7]], target[n])
 
 
+def test_an_object_handed_twice_in_one_step_is_written_once_and_the_forward_goes_on(tmp_path: Path) -> None:
+    """The scheduler plans each object once per step; a worker handed one twice must not
+    submit a section twice (the store refuses it, and the error in save_layer killed the
+    engine under vLLM's prefix_repetition benchmark)."""
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3], "r1"), ChunkIO("a" * 32, [2, 3], "r2"), ChunkIO("b" * 32, [4, 5], "r2")])
+    assert w.store.stats.objects_written == 2
+    before = {n: t.clone() for n, t in kv.items()}
+    assert load(w, kv, [ChunkIO("a" * 32, [10, 11]), ChunkIO("b" * 32, [12, 13])]) == set()
+    for n in kv:
+        assert torch.equal(kv[n][[10, 11, 12, 13]], before[n][[2, 3, 4, 5]])
+
+
 def test_full_ring_drops_saves_and_counts_them(tmp_path: Path) -> None:
     w, kv = worker(tmp_path)
     assert w.ring is not None
@@ -195,7 +208,7 @@ def test_io_threads_run_on_every_cpu_of_the_process() -> None:
     import os
     import threading
 
-    from kvlab_connector.io_posix import PosixEngine, process_cpus
+    from kvlab_connector.io.posix import PosixEngine, process_cpus
 
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:

@@ -30,7 +30,7 @@ from kvlab_connector import metrics
 from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.keys import KeyChain
 from kvlab_connector.layout import Layout
-from kvlab_connector.store import Store
+from kvlab_connector.store.store import Store
 
 log = logging.getLogger("vllm.kvlab_connector")
 
@@ -87,6 +87,29 @@ class _Request:
     issued: list[_Found] = field(default_factory=list)  # loads handed to the worker
     counted: bool = False
     epoch: int = 0
+
+
+def _save_each_object_once(meta: StepMetadata) -> None:
+    """Requests that share a prefix (or an answer) plan the same objects: in one step each is
+    saved once, by the first request that planned it (finished requests' saves come first:
+    the worker copies them before the forward). A request whose object another request
+    saves this step loses nothing: the object is on the drives when the step's saves are.
+    The worker writes an object's sections once each; a second copy of the same key would
+    be a second writer of the same object in one step."""
+    seen: set[str] = set()
+
+    def first(chunks: list[ChunkIO]) -> list[ChunkIO]:
+        kept = []
+        for c in chunks:
+            if c.key not in seen:
+                seen.add(c.key)
+                kept.append(c)
+        return kept
+
+    # every finishing request stays in finish_saves, also with nothing left to save:
+    # vLLM holds its blocks until the worker reports it finished
+    meta.finish_saves = {req_id: first(chunks) for req_id, chunks in meta.finish_saves.items()}
+    meta.saves = first(meta.saves)
 
 
 class SchedulerSide:
@@ -194,6 +217,7 @@ class SchedulerSide:
                 st.block_ids.extend(new_ids[0])
             self._issue_loads(st, meta)
             self._plan(st, meta, cached.num_computed_tokens[i], n_sched[req_id])
+        _save_each_object_once(meta)
         return meta
 
     def _issue_loads(self, st: _Request, meta: StepMetadata) -> None:
