@@ -40,9 +40,8 @@ def test_the_labs_seed_validates_and_exporting_a_drive_twice_is_refused(
     first = cfg["subsystems"][0]["namespaces"][0]["device"]
     res = validate(tmp_path, twice(cfg, first))
     assert res.returncode == 2
-    serial = first.rsplit("_", 1)[1]
     assert (
-        f"subsystems[1].namespaces[0].device: serial {serial} is also subsystems[0].namespaces[0].device: "
+        f"subsystems[1].namespaces[0].device: {first} is also subsystems[0].namespaces[0].device: "
         "one drive exported twice" in res.stderr
     ), res.stderr
     # the namespace's filesystem is said, so that the target expects it on the drive
@@ -52,8 +51,10 @@ def test_the_labs_seed_validates_and_exporting_a_drive_twice_is_refused(
 # One drive named two ways in subsystems[0].namespaces[0] and subsystems[1].namespaces[0].
 ALIASES = {
     "by-id path and serial": (f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001", {"serial": "S7MCNA0X100001"}, "serial S7MCNA0X100001"),
-    "WWN and its by-id path": ({"wwn": "0x5002538F0000A104"}, "/dev/disk/by-id/wwn-0x5002538f0000a104", "wwn 5002538f0000a104"),
-    "EUI and its by-id path": ({"wwn": "eui.002538b431a0e3c1"}, "/dev/disk/by-id/nvme-eui.002538b431a0e3c1", "wwn eui.002538b431a0e3c1"),
+    "WWN and its by-id path": ({"wwn": "0x5002538F0000A104"}, "/dev/disk/by-id/wwn-0x5002538f0000a104", "/dev/disk/by-id/wwn-0x5002538f0000a104"),
+    "EUI and its by-id path": ({"wwn": "eui.002538b431a0e3c1"}, "/dev/disk/by-id/nvme-eui.002538b431a0e3c1", "/dev/disk/by-id/nvme-eui.002538b431a0e3c1"),
+    "a drive and its namespace's name": (f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001", f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001_1", f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001_1"),
+    "a serial and its namespace's name": ({"serial": "S7MCNA0X100001"}, f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001_1", f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001_1"),
     "a partition and its whole drive": (f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001-part1", {"serial": "S7MCNA0X100001"}, "serial S7MCNA0X100001"),
     "one path twice": ("/dev/sdb", "/dev/../dev/sdb", "/dev/sdb"),
     "virtio serial": ("/dev/disk/by-id/virtio-kvlab-target-data0", {"serial": "kvlab-target-data0"}, "serial kvlab-target-data0"),
@@ -70,6 +71,13 @@ def test_one_drive_by_two_names_is_refused_naming_both(tmp_path: Path, case: str
     assert (
         f"subsystems[1].namespaces[0].device: {what} is also subsystems[0].namespaces[0].device" in res.stderr
     ), res.stderr
+
+
+def test_namespace_names_of_two_drives_are_two_drives(tmp_path: Path) -> None:
+    """udev's <model>_<serial>_<nsid> names: the same nsid on two drives is no clash."""
+    cfg = seed()
+    cfg["subsystems"][0]["namespaces"][0]["device"] = f"/dev/disk/by-id/{MODEL}_S7MCNA0X100001_1"
+    assert validate(tmp_path, twice(cfg, f"/dev/disk/by-id/{MODEL}_S7MCNA0X100002_1")).returncode == 0
 
 
 def test_two_partitions_of_a_drive_are_two_drives(tmp_path: Path) -> None:
