@@ -39,7 +39,9 @@ def target_subsystems(exports, target, hostvars):
             )
         sub = {
             "nqn": e["nqn"],
-            "namespaces": [{"nsid": n["nsid"], "device": n["device"], "uuid": n["uuid"]} for n in e["namespaces"]],
+            # fstype: what the node makes on it, the one signature the target expects on its drive
+            "namespaces": [{"nsid": n["nsid"], "device": n["device"], "uuid": n["uuid"], "fstype": n.get("fstype", "xfs")}
+                           for n in e["namespaces"]],  # fmt: skip
             "allowed_hosts": [nqn],
         }
         if e.get("serial"):

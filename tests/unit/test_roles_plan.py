@@ -79,9 +79,16 @@ def lab_params(host: str) -> setups.EngineParams:
     )
 
 
+_lab_plans: list[Path] = []
+
+
 @pytest.fixture(scope="session")
 def lab_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return run_plan("lab", tmp_path_factory.mktemp("plan") / "lab")
+    """The lab's plan, rendered once per session: every module that imports this fixture gets a
+    fixture of its own from pytest, so the rendering itself is kept here (read it, never write)."""
+    if not _lab_plans:
+        _lab_plans.append(run_plan("lab", tmp_path_factory.mktemp("plan") / "lab"))
+    return _lab_plans[0]
 
 
 CASES = [(h, s) for h in HOSTS for s in group_vars("gpu_nodes")["vllm_server_setups"]]
