@@ -27,7 +27,7 @@ FACT_EXPR = (
     " 'fast_io_fail_tmo': nvmeof_initiator_fast_io_fail_tmo | default(5),"
     " 'reconnect_delay': nvmeof_initiator_reconnect_delay | default(2),"
     " 'multipath': nvmeof_initiator_multipath | default(true),"
-    " 'iopolicy': nvmeof_initiator_iopolicy | default('round-robin'),"
+    " 'iopolicy': nvmeof_initiator_iopolicy | default('auto'),"
     " 'roce_subnets': rdma_roce_subnets | default([]),"
     " 'peer_netdevs': (groups[('nvmeof_initiators' if 'nvmeof_targets' in group_names else 'nvmeof_targets')]"
     "   | default([]) | map('extract', hostvars, 'rdma_netdevs') | select('defined') | flatten | list),"

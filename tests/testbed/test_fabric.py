@@ -31,11 +31,12 @@ STORE_NQN = "nqn.2026-01.io.kvlab.testbed:store0"
 TARGET = "10.77.0.1"
 TARGETS = {"fabric": "10.77.0.1", "fabric2": "10.78.0.1"}  # qemu netdev -> the target's address on it
 MOUNT = "/mnt/kvstore0"
-# One line per path of every multipath head: head|path disk|controller|state|traddr|sectors read
+# One line per path of every multipath head: head|path disk|controller|state|traddr|sectors read.
+# The hidden path disks (nvme<subsys>c<ctrl>n<ns>) sit in /sys/block beside their head (nvme<subsys>n<ns>).
 PATHS = (
-    "for p in /sys/block/nvme*n*/multipath/*; do [ -e $p/stat ] || continue; h=${p%/multipath/*}; "
+    "for p in /sys/block/nvme*c*n*; do [ -e $p/stat ] || continue; n=${p##*/}; h=$(echo $n | sed 's/c[0-9]*n/n/'); "
     "c=$(basename $(readlink -f $p/device)); "
-    'printf \'%s|%s|%s|%s|%s|%s\\n\' ${h##*/} ${p##*/} $c "$(cat /sys/class/nvme/$c/state)" '
+    'printf \'%s|%s|%s|%s|%s|%s\\n\' $h $n $c "$(cat /sys/class/nvme/$c/state)" '
     '"$(sed -n \'s/.*traddr=\\([^,]*\\).*/\\1/p\' /sys/class/nvme/$c/address)" "$(awk \'{print $3}\' $p/stat)"; done'
 )
 
@@ -102,7 +103,7 @@ def test_verify_suites_pass(testbed, deployed, tmp_path):
     )
     res = subprocess.run(
         [str(tb.paths.repo_root() / "scripts" / "verify"), str(testbed.inventory), "-q", "-s"],
-        cwd=tb.paths.repo_root(), env=env, capture_output=True, text=True, timeout=600, check=False,
+        cwd=tb.paths.repo_root(), env=env, capture_output=True, text=True, timeout=1500, check=False,
     )  # fmt: skip
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-8000:]
