@@ -39,12 +39,27 @@ def target_subsystems(exports, target, hostvars):
             )
         sub = {
             "nqn": e["nqn"],
-            "namespaces": [{"nsid": n["nsid"], "device": n["device"], "uuid": n["uuid"]} for n in e["namespaces"]],
+            # fstype: what the node makes on it, the one signature the target expects on its drive
+            "namespaces": [{"nsid": n["nsid"], "device": n["device"], "uuid": n["uuid"], "fstype": n.get("fstype", "xfs")}
+                           for n in e["namespaces"]],  # fmt: skip
             "allowed_hosts": [nqn],
         }
         if e.get("serial"):
             sub["serial"] = e["serial"]
         out.append(sub)
+    return out
+
+
+def target_host_secrets(exports, target, hostvars):
+    """nvmeof_target_host_secrets of one target: for each node it exports to, the DH-HMAC-CHAP pair
+    that node connects with (its nvmeof_initiator_dhchap_secret and _ctrl_secret), by its host NQN."""
+    out = {}
+    for e in _exports(exports, "target", target):
+        node = hostvars[e["node"]] if e["node"] in hostvars else {}  # noqa: SIM401  (hostvars has no .get)
+        nqn, secret = node.get("nvmeof_initiator_hostnqn"), node.get("nvmeof_initiator_dhchap_secret")
+        if nqn and secret:
+            ctrl = node.get("nvmeof_initiator_dhchap_ctrl_secret")
+            out[nqn] = {"dhchap_key": secret, **({"dhchap_ctrl_key": ctrl} if ctrl else {})}
     return out
 
 
@@ -91,6 +106,7 @@ class FilterModule:
         return {
             "kvlab_target_subsystems": target_subsystems,
             "kvlab_target_ports": target_ports,
+            "kvlab_target_host_secrets": target_host_secrets,
             "kvlab_initiator_targets": initiator_targets,
             "kvlab_initiator_filesystems": initiator_filesystems,
         }

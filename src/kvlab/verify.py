@@ -2,9 +2,9 @@
 
 Before any test connects to a host it resolves every module's host groups (`testinfra_hosts`,
 or `--hosts`) in the inventory: a group with no host stops the run, naming the group and the
-suite. Tests of the lab suite (marker `lab`, the GPU checks) are deselected, not skipped, on a
-host whose inventory declares `kvlab_gpus_expected: false` (the testbed's node), and the run
-says so. At the end it prints what it checked: per suite and host, how many tests passed,
+suite. Tests of the lab suite (marker `lab`: GPU, drive, QoS and time checks) are deselected, not
+skipped, on a host whose inventory declares `kvlab_lab_hardware: false` (the testbed's VMs) or,
+without it, `kvlab_gpus_expected: false`, and the run says which. At the end it prints what it checked: per suite and host, how many tests passed,
 failed, were skipped or deselected, and why.
 """
 
@@ -61,20 +61,29 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             + " - but that group has no host (a suite that collects no host is a failure)"
         )
     keep, drop = [], []
-    expected: dict[str, bool] = {}
+    without: dict[str, str | None] = {}
     for item in items:
         host = _host_of(item)
         if host is not None and item.get_closest_marker("lab") is not None:
-            if host not in expected:
-                expected[host] = bool(inv.render(host, ["kvlab_gpus_expected"]).get("kvlab_gpus_expected", True))
-            if not expected[host]:
+            if host not in without:
+                without[host] = _no_lab_hardware(inv, host)
+            if without[host]:
                 drop.append(item)
-                _state["deselected"][(_suite(item), host)].append(item.name)
+                _state["deselected"][(_suite(item), host, without[host])].append(item.name)
                 continue
         keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def _no_lab_hardware(inv, host: str) -> str | None:
+    """The inventory variable that declares this host without lab hardware, or None."""
+    got = inv.render(host, ["kvlab_lab_hardware", "kvlab_gpus_expected"])
+    for name in ("kvlab_lab_hardware", "kvlab_gpus_expected"):
+        if name in got:
+            return None if got[name] else name
+    return None
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -89,9 +98,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config)
     tr.section(f"kvlab verify: what was checked ({_state['inventory']})")
     for (suite, host), counts in sorted(_state["outcomes"].items()):
         tr.line(f"  {suite} on {host}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
-    for (suite, host), names in sorted(_state["deselected"].items()):
+    for (suite, host, var), names in sorted(_state["deselected"].items()):
+        what = "no GPU there" if var == "kvlab_gpus_expected" else "no lab hardware there: lab tests only"
         tr.line(f"  {suite} on {host.removeprefix('ansible://')}: {len(names)} deselected, not run: the inventory "
-                "declares kvlab_gpus_expected: false (no GPU there)")
+                f"declares {var}: false ({what})")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -1,8 +1,11 @@
-"""NVMe-oF targets: subsystems, namespaces, ports and host allowlists exactly as configured."""
+"""NVMe-oF targets: subsystems, namespaces, ports and host allowlists exactly as configured, and
+every allowed host authenticated (DH-HMAC-CHAP key on the target)."""
 
 from __future__ import annotations
 
 import pytest
+
+from kvlab import verify_checks as vc
 
 pytestmark = pytest.mark.infra
 testinfra_hosts = ["ansible://nvmeof_targets"]
@@ -34,6 +37,22 @@ def test_allowlist_is_explicit(host, inv):
         base = f"{NVMET}/subsystems/{sub['nqn']}"
         assert read(host, f"{base}/attr_allow_any_host") == "0", f"{sub['nqn']} allows any host"
         assert ls(host, f"{base}/allowed_hosts") == sorted(sub["allowed_hosts"])
+
+
+# Whether each host entry holds a DH-HMAC-CHAP key, read without printing the key.
+HOST_KEYS = (
+    f"for h in {NVMET}/hosts/*; do [ -d \"$h\" ] || continue; "
+    'if [ -n "$(cat $h/dhchap_key 2>/dev/null)" ]; then k=1; else k=0; fi; echo "${h##*/} $k"; done'
+)
+
+
+def test_every_allowed_host_has_a_dhchap_key(host, inv):
+    """A host NQN is no credential (any host can present one): every allowed host of every
+    subsystem must authenticate with DH-HMAC-CHAP, so nvmet holds a key for it."""
+    with host.sudo():
+        keyed = {name: k == "1" for name, k in (line.split() for line in host.check_output(HOST_KEYS).splitlines())}
+    problems = vc.hosts_without_key(inv["target_subsystems"], keyed)
+    assert not problems, "\n".join(problems)
 
 
 def test_namespaces_enabled_on_their_devices(host, inv):

@@ -25,6 +25,8 @@ LAB_EXPR = (
     " 'peermem': nvidia_peermem_enabled | default(true),"
     " 'persistenced': nvidia_driver_persistenced | default(true),"
     " 'store_mounts': kvlab_nvmeof_mounts | default([]),"
+    " 'storage_netdevs': rdma_netdevs | default([]),"
+    " 'pcie_gen': kvlab_gpu_pcie_gen | default(''),"
     " 'setup': vllm_server_setup | default(''),"
     " 'port': vllm_server_port | default(8000),"
     " 'venv': vllm_server_venv | default('/opt/kvlab/venv'),"

@@ -15,6 +15,7 @@ then about 3 OVMF/TCG boots; warm: the boots only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -110,7 +111,8 @@ class Fleet:
         return Machine(state, self.key)
 
     def boot_node(self, image_dir: Path, fabric_port: int) -> Machine:
-        spec = next(m for m in tb.MACHINES if m.name == "node")
+        # one fabric link: the appliance VM has one port, its only peer
+        spec = dataclasses.replace(next(m for m in tb.MACHINES if m.name == "node"), more_fabric_macs=())
         state = vm.start(spec, image_dir, self.root / "node", fabric_port, self.key.with_suffix(".pub"))
         self.states.append(state)
         return Machine(state, self.key)
@@ -244,6 +246,13 @@ def appliance_inventory(fleet: Fleet, image_dir: Path, target: Machine, node: Ma
     hosts_file = tb.write_inventory(state, root / "hosts.yml")
     hosts = yaml.safe_load(hosts_file.read_text())
     hosts["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["nvmeof_target_appliance"] = True
+    # its node connects by hand, without the secrets `kvlab testbed up` makes for the testbed
+    hosts["all"]["children"]["nvmeof_targets"]["hosts"]["target"]["nvmeof_target_dhchap_required"] = False
+    # these VMs have one fabric link (the testbed's first subnet), not the testbed's two
+    node_vars = hosts["all"]["children"]["gpu_nodes"]["children"]["h200"]["hosts"]["node"]
+    for host_vars in (hosts["all"]["children"]["nvmeof_targets"]["hosts"]["target"], node_vars):
+        host_vars["kvlab_storage_ports"] = host_vars["kvlab_storage_ports"][:1]
+        host_vars["rdma_rxe_links"] = [{"name": "rxe0", "netdev": host_vars["kvlab_storage_ports"][0]["name"]}]
     hosts_file.write_text(yaml.safe_dump(hosts, sort_keys=False))
     return hosts_file
 

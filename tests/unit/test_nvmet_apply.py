@@ -36,6 +36,9 @@ def load(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(mod, "ROOT", str(root))
     monkeypatch.setattr(mod, "CONFIG", str(tmp_path / "nvmet.json"))
     monkeypatch.setattr(mod, "OWNED", str(tmp_path / "state" / "nvmet-owned.json"))
+    # this machine's own /sys and /proc say nothing about the stand-in drives
+    monkeypatch.setattr(mod, "SYSFS", str(tmp_path / "sys"))
+    monkeypatch.setattr(mod, "PROC", str(tmp_path / "proc"))
     monkeypatch.setattr(mod, "wait_for_addresses", lambda cfg: None)
     monkeypatch.setattr(mod.subprocess, "run", lambda *a, **k: None)
     monkeypatch.setattr(mod.Applier, "fs_mkdir", staticmethod(lambda p: configfs_mkdir(root, p)))

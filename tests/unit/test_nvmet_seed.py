@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import errno
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ SECOND = "nqn.2026-01.io.kvlab.test:store1"
 def seed() -> dict:
     """A valid seed with every section: two subsystems, drives by serial and WWN, a secret, QoS."""
     return {
-        "hosts": [{"nqn": HOST, "dhchap_key": "DHHC-1:00:ZmFrZS1rZXktbm90LWEtc2VjcmV0LTAwMDAwMDAwMDA=:"},
+        "hosts": [{"nqn": HOST, "dhchap_key": "DHHC-1:00:ZmFrZS1rZXktbm90LWEtc2VjcmV0LTAwMDAwMDAwMDC8+9qF:"},
                   {"nqn": HOST2}],
         "subsystems": [
             {"nqn": OURS, "serial": "kvlab-store0", "allowed_hosts": [HOST],
@@ -320,7 +319,8 @@ def test_a_failure_half_way_leaves_nothing_of_kvlabs(tmp_path, monkeypatch, caps
     theirs = {d: snapshot(root, d) for d in ("subsystems", "ports", "hosts")}
     cfg = config(device)
     cfg["subsystems"].append(copy.deepcopy(cfg["subsystems"][0]) | {"nqn": SECOND})
-    cfg["subsystems"][1]["namespaces"][0]["uuid"] = UUID2
+    (tmp_path / "disk1").write_bytes(b"")
+    cfg["subsystems"][1]["namespaces"][0] |= {"uuid": UUID2, "device": str(tmp_path / "disk1")}
     failing_write(mod, monkeypatch, suffix)
     assert run(mod, tmp_path, cfg) == 1
     err = capsys.readouterr().err
@@ -358,37 +358,4 @@ def test_a_failed_change_keeps_what_was_exported(tmp_path, monkeypatch):
     assert owned == {"subsystems": [OURS], "ports": ["1"], "hosts": [HOST]}
 
 
-def test_seed_fabric_is_configured_as_the_rdma_role_means_it(tmp_path, monkeypatch):
-    """netdevs, soft-RoCE links and RoCE lossless: the commands the rdma role's units run."""
-    mod, _ = load(tmp_path, monkeypatch)
-    calls: list[list[str]] = []
-
-    def fake_run(argv, **kw):
-        calls.append(list(argv))
-        return subprocess.CompletedProcess(argv, 1 if argv[:3] == ["rdma", "link", "show"] else 0, "", "")
-
-    monkeypatch.setattr(mod.subprocess, "run", fake_run)
-    ecn = tmp_path / "ecn"
-    opened: list[str] = []
-    real_open = open
-
-    def fake_open(path, mode="r", *a, **k):
-        if str(path).startswith("/sys/class/net/"):
-            opened.append(str(path))
-            return real_open(ecn, mode, *a, **k)
-        return real_open(path, mode, *a, **k)
-
-    monkeypatch.setattr("builtins.open", fake_open)
-    mod.apply_network(seed())
-    assert calls == [
-        ["ip", "link", "set", "dev", "eth1", "mtu", "9000", "up"],
-        ["ip", "address", "replace", "10.77.0.1/24", "dev", "eth1"],
-        ["modprobe", "rdma_rxe"],
-        ["rdma", "link", "show", "rxe0/1"],
-        ["rdma", "link", "add", "rxe0", "type", "rxe", "netdev", "eth1"],
-        ["dcb", "app", "replace", "dev", "eth1", "dscp-prio", "26:3"],
-        ["dcb", "pfc", "set", "dev", "eth1", "prio-pfc", "all:off", "3:on"],
-        ["rdma", "link", "show"],
-    ]
-    assert opened == ["/sys/class/net/eth1/ecn/roce_np/enable/3", "/sys/class/net/eth1/ecn/roce_rp/enable/3"]
-    assert os.path.exists(ecn)
+# The seed's fabric (netdevs, soft-RoCE links, RoCE QoS on both RDMA stacks): test_lab_fabric_qos.py.

@@ -79,9 +79,16 @@ def lab_params(host: str) -> setups.EngineParams:
     )
 
 
+_lab_plans: list[Path] = []
+
+
 @pytest.fixture(scope="session")
 def lab_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return run_plan("lab", tmp_path_factory.mktemp("plan") / "lab")
+    """The lab's plan, rendered once per session: every module that imports this fixture gets a
+    fixture of its own from pytest, so the rendering itself is kept here (read it, never write)."""
+    if not _lab_plans:
+        _lab_plans.append(run_plan("lab", tmp_path_factory.mktemp("plan") / "lab"))
+    return _lab_plans[0]
 
 
 CASES = [(h, s) for h in HOSTS for s in group_vars("gpu_nodes")["vllm_server_setups"]]
@@ -328,7 +335,7 @@ def test_node_discovers_connects_and_mounts_its_namespaces(lab_plan: Path, host:
     assert [re.search(r"--traddr=(\S+)", ln).group(1) for ln in lines] == ["192.168.100.31", "192.168.101.31"]
     for ln in lines:
         assert "--transport=rdma" in ln and f"--hostnqn={v['nvmeof_initiator_hostnqn']}" in ln
-        assert "--ctrl-loss-tmo=60" in ln and "--fast_io_fail_tmo=5" in ln
+        assert "--ctrl-loss-tmo=-1" in ln and "--fast_io_fail_tmo=5" in ln  # reconnect forever, fail I/O fast
     assert (root / "etc/modules-load.d/kvlab-nvmeof.conf").read_text().strip().endswith("nvme-rdma")
     assert "After=network-online.target" in (root / "etc/systemd/system/nvmf-autoconnect.service.d/kvlab.conf").read_text()
     [mine] = [e for e in exports() if e["node"] == host]

@@ -5,6 +5,7 @@ Every failure message names the machine, the command, its output and the console
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -14,6 +15,14 @@ from kvlab.testbed import vm
 
 class MachineError(AssertionError):
     pass
+
+
+SSH_TRIES = 3
+SSH_CONNECT_ERROR = re.compile(
+    r"Connection timed out during banner exchange|Connection (reset|closed) by|kex_exchange_identification|"
+    r"Connection timed out$|Connection refused$",
+    re.M,
+)
 
 
 class Machine:
@@ -30,11 +39,22 @@ class Machine:
         return self.state.console_log
 
     def execute(self, cmd: str, timeout: float = 120.0) -> tuple[int, str]:
-        try:
-            res = vm.ssh(self.state, self.key, cmd, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return 124, f"timed out after {timeout:.0f} s"
-        return res.returncode, res.stdout + res.stderr
+        """Run cmd over SSH. A connection that did not get as far as running it (ssh's own exit
+        255 with a connection error: a TCG guest too busy to answer the banner in time) is tried
+        again, at most SSH_TRIES times; the command's own exit codes are returned as they are."""
+        for attempt in range(SSH_TRIES):
+            try:
+                res = vm.ssh(self.state, self.key, cmd, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return 124, f"timed out after {timeout:.0f} s"
+            out = res.stdout + res.stderr
+            if (
+                not (res.returncode == 255 and SSH_CONNECT_ERROR.search(res.stderr))
+                or attempt == SSH_TRIES - 1
+            ):
+                return res.returncode, out
+            time.sleep(2)
+        raise AssertionError("unreachable")
 
     def succeed(self, cmd: str, timeout: float = 120.0) -> str:
         rc, out = self.execute(cmd, timeout)

@@ -1,19 +1,25 @@
 """The VM testbed: a storage target and a "GPU" node (no GPU), joined by an NVMe-oF fabric.
 
 `up` boots both from the cached image (building it when its inputs changed), target first
-because its end of the fabric link listens, writes what it picked (SSH ports, key, transport)
-beside the committed inventory (inventories/testbed: the lab's group tree), and records every
-PID in a state file; `down` stops exactly those PIDs; `status` reports each VM and the
+because its end of each fabric link listens (two links, as a lab node has two storage ports on
+two subnets: qemu netdevs `fabric` and `fabric2`, the guests' eth1 and eth2), makes the node's
+DH-HMAC-CHAP secrets (host and controller; kept in the state folder, mode 0600, never printed),
+writes what it picked (SSH ports, key, transport, secrets) beside the committed inventory
+(inventories/testbed: the lab's group tree), and records every PID in a state file; `down` stops exactly those PIDs; `status` reports each VM and the
 node's NVMe controllers as /sys/class/nvme shows them.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import os
+import secrets
 import shutil
 import subprocess
 import time
+import zlib
 from pathlib import Path
 
 import yaml
@@ -28,10 +34,11 @@ TRANSPORTS = ("rdma", "tcp")
 
 MACHINES = (
     vm.MachineSpec(name="target", mgmt_mac="52:54:00:6b:76:01", fabric_mac="52:54:00:6b:77:01",
-                   fabric_role="listen", data_disk_mib=2048),
+                   more_fabric_macs=("52:54:00:6b:78:01",), fabric_role="listen", data_disk_mib=2048),
     vm.MachineSpec(name="node", mgmt_mac="52:54:00:6b:76:02", fabric_mac="52:54:00:6b:77:02",
-                   fabric_role="connect"),
+                   more_fabric_macs=("52:54:00:6b:78:02",), fabric_role="connect"),
 )  # fmt: skip
+FABRIC_LINKS = 1 + len(MACHINES[0].more_fabric_macs)
 # The node is also the inventory's GPU node: the GPU roles find no GPU there and say so, the
 # serving roles install the connector and render the units. The committed inventory
 # (inventories/testbed/hosts.yml) holds this tree; a unit test keeps the two in step.
@@ -52,6 +59,9 @@ class State:
     fabric_port: int
     key: str
     machines: list[vm.MachineState]
+    # every fabric link's TCP port (fabric_port is the first); the node's DH-HMAC-CHAP secrets
+    fabric_ports: list[int] = dataclasses.field(default_factory=list)
+    dhchap: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def machine(self, name: str) -> vm.MachineState:
         for m in self.machines:
@@ -76,7 +86,24 @@ def load_state(name: str) -> State | None:
 def save_state(state: State) -> None:
     f = state_root(state.name) / "state.json"
     f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
+    # it holds the DH-HMAC-CHAP secrets: readable by its owner only, from its first byte
+    fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(dataclasses.asdict(state), indent=2) + "\n")
+
+
+def dhchap_secret(key_bytes: int = 32) -> str:
+    """A DH-HMAC-CHAP secret as `nvme gen-dhchap-key` writes it (nvme-cli, NVMe Base 2.0 8.13.5.8):
+    DHHC-1:00:<base64 of the key and its CRC-32, little-endian>: (00: the key is used as it is)."""
+    key = secrets.token_bytes(key_bytes)
+    return "DHHC-1:00:" + base64.b64encode(key + zlib.crc32(key).to_bytes(4, "little")).decode() + ":"
+
+
+def new_dhchap() -> dict[str, str]:
+    """The node's secret (the target authenticates the node) and the controller's (the node
+    authenticates the target: bidirectional)."""
+    return {"host": dhchap_secret(), "ctrl": dhchap_secret()}
 
 
 def ensure_key(root: Path) -> Path:
@@ -95,7 +122,10 @@ def committed_inventory() -> Path:
 
 def run_time_vars(state: State) -> dict[str, dict]:
     """What `up` picked, by file under the inventory folder: the key and transport for every
-    host, each VM's forwarded SSH port. Everything else is in the committed inventory."""
+    host, each VM's forwarded SSH port, and where the testbed has them, the node's DH-HMAC-CHAP
+    pair (testbed_dhchap, where the lab has its vault: the node's nvmeof_initiator_dhchap_secret
+    and _ctrl_secret, and the target's allowlist keys, derive from it). Everything else is in the
+    committed inventory."""
     out = {
         f"group_vars/all/{UP_FILE}": {
             "ansible_ssh_private_key_file": state.key,
@@ -104,6 +134,12 @@ def run_time_vars(state: State) -> dict[str, dict]:
     }
     for m in state.machines:
         out[f"host_vars/{m.name}/{UP_FILE}"] = {"ansible_port": m.ssh_port}
+    if state.dhchap:
+        out[f"group_vars/all/{UP_FILE}"]["testbed_dhchap"] = {
+            m.name: {"secret": state.dhchap["host"], "ctrl_secret": state.dhchap["ctrl"]}
+            for m in state.machines
+            if "nvmeof_initiators" in GROUPS.get(m.name, ())
+        }
     return out
 
 
@@ -125,7 +161,10 @@ def write_inventory(state: State, path: Path) -> Path:
     for rel, values in run_time_vars(state).items():
         f = inv_dir / rel
         f.parent.mkdir(parents=True, exist_ok=True)
-        f.write_text(header + "---\n" + yaml.safe_dump(values, sort_keys=True))
+        fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold secrets
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(header + "---\n" + yaml.safe_dump(values, sort_keys=True))
     return path
 
 
@@ -173,13 +212,16 @@ def up(
     log(f"image {image_dir} ({time.monotonic() - t0:.0f} s)")
     root = state_root(name)
     key = ensure_key(root)
+    ports = [free_port() for _ in range(FABRIC_LINKS)]
     state = State(
         name=name,
         transport=transport,
         image_dir=str(image_dir),
-        fabric_port=free_port(),
+        fabric_port=ports[0],
         key=str(key),
         machines=[],
+        fabric_ports=ports,
+        dhchap=new_dhchap(),
     )
     try:
         for spec in MACHINES:
@@ -187,11 +229,12 @@ def up(
             # a fresh overlay each time: `up` starts from the image, as CI does
             for stale in ("root.qcow2", "data0.raw"):
                 (mdir / stale).unlink(missing_ok=True)
-            m = vm.start(spec, image_dir, mdir, state.fabric_port, key.with_suffix(".pub"))
+            m = vm.start(spec, image_dir, mdir, state.fabric_ports, key.with_suffix(".pub"))
             state.machines.append(m)
             save_state(state)
             if spec.fabric_role == "listen":
-                vm.wait_listening(state.fabric_port)
+                for port in state.fabric_ports:
+                    vm.wait_listening(port)
         for m in state.machines:
             waited = vm.wait_ssh(m, key, boot_timeout)
             log(f"{m.name}: SSH on 127.0.0.1:{m.ssh_port} after {waited:.0f} s (console {m.console_log})")
@@ -250,5 +293,6 @@ def status(name: str = "default") -> dict:
         "transport_ok": bool(node_ctrls) and all(c["transport"] == state.transport for c in node_ctrls),
         "image": state.image_dir,
         "fabric_port": state.fabric_port,
+        "fabric_ports": state.fabric_ports,
         "machines": machines,
     }

@@ -3,7 +3,8 @@
 Machines run under TCG (no KVM here), boot the image's kernel directly, write to a
 copy-on-write overlay of the cached image, and keep their serial console in a log that
 survives restarts. Management is qemu user-mode networking restricted to the host, with SSH
-forwarded on 127.0.0.1; the fabric is a qemu TCP socket link between the two VMs (MTU 9000).
+forwarded on 127.0.0.1; the fabric is one qemu TCP socket link per fabric port between the two
+VMs (MTU 9000): netdev `fabric` (the guest's eth1), then `fabric2` (eth2) and so on.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvlab.net import free_port
@@ -39,6 +41,8 @@ class MachineSpec:
     mgmt_mac: str
     fabric_mac: str
     fabric_role: str  # "listen" or "connect"
+    # further fabric links, one MAC each: netdevs fabric2, fabric3, ... (guest eth2, eth3, ...)
+    more_fabric_macs: tuple[str, ...] = ()
     memory_mib: int = 1024
     cpus: int = 1
     data_disk_mib: int = 0  # >0: a blank raw disk with serial kvlab-<name>-data0
@@ -70,14 +74,36 @@ def is_our_qemu(pid: int, machine_dir: Path) -> bool:
     return bool(cmdline) and b"qemu-system" in cmdline[0] and str(machine_dir).encode() in b" ".join(cmdline)
 
 
+def fabric_netdev_ids(spec: MachineSpec) -> list[str]:
+    """qemu's names of the VM's fabric links, in the guest's interface order (eth1, eth2, ...)."""
+    return ["fabric", *(f"fabric{i + 2}" for i in range(len(spec.more_fabric_macs)))]
+
+
+def fabric_ports(fabric_port: int | Sequence[int]) -> list[int]:
+    return [fabric_port] if isinstance(fabric_port, int) else list(fabric_port)
+
+
+def _fabric_args(spec: MachineSpec, ports: list[int]) -> list[str]:
+    macs = [spec.fabric_mac, *spec.more_fabric_macs]
+    if len(ports) != len(macs):
+        raise VMError(f"{spec.name}: {len(macs)} fabric link(s), {len(ports)} fabric port(s) given")
+    how = "listen" if spec.fabric_role == "listen" else "connect"
+    out = []
+    for netdev, mac, port in zip(fabric_netdev_ids(spec), macs, ports, strict=True):
+        out += ["-netdev", f"socket,id={netdev},{how}=127.0.0.1:{port}",
+                "-device", f"virtio-net-pci,netdev={netdev},mac={mac},host_mtu=9000"]  # fmt: skip
+    return out
+
+
 def qemu_command(
-    spec: MachineSpec, image_dir: Path, machine_dir: Path, ssh_port: int, fabric_port: int, pubkey: Path
+    spec: MachineSpec,
+    image_dir: Path,
+    machine_dir: Path,
+    ssh_port: int,
+    fabric_port: int | Sequence[int],
+    pubkey: Path,
 ) -> list[str]:
-    fabric = (
-        f"socket,id=fabric,listen=127.0.0.1:{fabric_port}"
-        if spec.fabric_role == "listen"
-        else f"socket,id=fabric,connect=127.0.0.1:{fabric_port}"
-    )
+    """fabric_port: one TCP port per fabric link (an int for a one-link machine)."""
     boot = uefi_boot(machine_dir) if spec.uefi else [
         "-kernel", str(image_dir / "vmlinuz"), "-initrd", str(image_dir / "initrd.img"),
         "-append", f"root=LABEL=kvlab-root rw console=ttyS0,115200 net.ifnames=0 systemd.hostname={spec.name} "
@@ -92,8 +118,7 @@ def qemu_command(
         "-drive", f"file={machine_dir / 'root.qcow2'},if=virtio,format=qcow2,cache=unsafe,discard=unmap",
         "-netdev", f"user,id=mgmt,restrict=on,hostfwd=tcp:127.0.0.1:{ssh_port}-:22",
         "-device", f"virtio-net-pci,netdev=mgmt,mac={spec.mgmt_mac}",
-        "-netdev", fabric,
-        "-device", f"virtio-net-pci,netdev=fabric,mac={spec.fabric_mac},host_mtu=9000",
+        *_fabric_args(spec, fabric_ports(fabric_port)),
         "-fw_cfg", f"name=opt/kvlab/authorized_keys,file={pubkey}",
         "-chardev", f"file,id=console,path={machine_dir / 'console.log'},append=on",
         "-serial", "chardev:console",
@@ -154,7 +179,7 @@ def prepare_disks(spec: MachineSpec, image_dir: Path, machine_dir: Path) -> None
 
 
 def start(
-    spec: MachineSpec, image_dir: Path, machine_dir: Path, fabric_port: int, pubkey: Path
+    spec: MachineSpec, image_dir: Path, machine_dir: Path, fabric_port: int | Sequence[int], pubkey: Path
 ) -> MachineState:
     prepare_disks(spec, image_dir, machine_dir)
     ssh_port = free_port()
