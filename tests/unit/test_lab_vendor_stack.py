@@ -121,7 +121,7 @@ def test_apt_preferences_pin_the_whole_set(lab: Path, node: str, stack: str) -> 
     assert not unpinned, f"{stack}: no version pin (priority >= 1000) for {unpinned}"
 
 
-@pytest.mark.parametrize("node", NODES)
+@pytest.mark.parametrize("node", [*NODES, "nvmeof-01"])
 def test_unattended_upgrades_leave_kernel_and_dkms_stacks_alone(lab: Path, node: str) -> None:
     text = (lab / node / "etc/apt/apt.conf.d/51kvlab-hold").read_text()
     block = re.search(r"Unattended-Upgrade::Package-Blacklist\s*\{(.*?)\};", text, re.S)
@@ -284,7 +284,7 @@ def test_the_role_asserts_persistence_mode(tmp_path: Path) -> None:
 
 
 # ---- 9: Secure Boot detected, modules signed with a MOK, enrolment named ---------------------
-@pytest.mark.parametrize("node", NODES)
+@pytest.mark.parametrize("node", [*NODES, "nvmeof-01"])  # DOCA's DKMS modules on the target too
 def test_dkms_signs_with_the_managed_mok(lab: Path, node: str) -> None:
     conf = (lab / node / "etc/dkms/framework.conf.d/kvlab-mok.conf").read_text()
     assert re.search(r"^mok_signing_key=\S+", conf, re.M) and re.search(r"^mok_certificate=\S+", conf, re.M)
