@@ -3,7 +3,7 @@
 1. Store: objects are written from GPU memory through the store's GDS save path (sections
    checksummed on the device, written by kvikio) and restored straight into GPU memory
    through its GDS read path (verified on the device): GDS where nvidia-fs is loaded,
-   kvikio's compat mode otherwise (from the connector's own probe, io_gds.probe_gds, never
+   kvikio's compat mode otherwise (from the connector's own probe, io.gds.probe_gds, never
    hidden). Every byte is compared with what was written, and the GB/s with a pinned-host
    -> device copy of the same bytes; the store's POSIX read path (host memory) reads the
    same objects for a third number.
@@ -147,8 +147,8 @@ def gpu_worker(
     Returns the worker, the KV cache by layer name, and the layer names."""
     from kvlab_connector.config import ConnectorConfig
     from kvlab_connector.layout import Layout
-    from kvlab_connector.store import Store
-    from kvlab_connector.worker import WorkerSide
+    from kvlab_connector.store.store import Store
+    from kvlab_connector.worker.worker import WorkerSide
 
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
     layout = Layout(
@@ -476,8 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         if Path("/proc/modules").exists()
         else False,
     }
-    from kvlab_connector.io_gds import DeviceIO, PosixFile, probe_gds
-    from kvlab_connector.store import DeviceMemory, ObjectShape, Store
+    from kvlab_connector.io.gds import DeviceIO, PosixFile, probe_gds
+    from kvlab_connector.store.store import DeviceMemory, ObjectShape, Store
 
     if dry:
         report |= {"cufile": {"probe": "skipped (--cpu-dry-run)"}, "kvikio": "none"}

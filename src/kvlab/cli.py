@@ -10,9 +10,9 @@ import sys
 # Modules with a `register(subparsers)` function; each adds its subcommands.
 COMMAND_MODULES = [
     "kvlab.model",
-    "kvlab.setup_cli",
-    "kvlab.demo",
-    "kvlab.bench",
+    "kvlab.setups.cli",
+    "kvlab.bench.demo",
+    "kvlab.bench.connector",
     "kvlab.testbed.cli",
     "kvlab.images.cli",
     "kvlab.harness.cli",
@@ -43,7 +43,7 @@ def _unwind_on_signals() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvlab.setups import SetupError
+    from kvlab.setups.registry import SetupError
 
     parser = build_parser()
     args = parser.parse_args(argv)

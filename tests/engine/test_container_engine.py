@@ -26,7 +26,7 @@ pytestmark = pytest.mark.engine
 def container_engines():
     if shutil.which("podman") is None:
         pytest.fail("podman is not installed: run scripts/system-deps (installs podman and runc)")
-    from kvlab.engine_container import ContainerEngines
+    from kvlab.engines.container import ContainerEngines
 
     return ContainerEngines("cpu")  # builds the image once per set of inputs, loads it, checks its digest
 
@@ -164,7 +164,7 @@ def test_every_pyc_in_the_image_is_unchecked_hash(container_engines) -> None:
     # a timestamped .pyc carries the time pip unpacked its source: two builds would differ
     import subprocess
 
-    from kvlab import container
+    from kvlab.engines import podman as container
     from kvlab.images import serve
 
     argv = ["podman", "run", "--rm", "--pull=never", container_engines.image_id, "python3", "-S", "-c", CHECK_PYC,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import setups
 from kvlab.client import complete
-from kvlab.engine import EngineError, EngineServer, group_alive
+from kvlab.engines.local import EngineError, EngineServer, group_alive
+from kvlab.setups import registry as setups
 
 PORT = 8131
 

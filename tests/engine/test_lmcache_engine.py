@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.engine import EngineError, EngineServer
+from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness.metrics import parse_server_log
 from kvlab.net import free_port
-from kvlab.setups import EngineParams, render
-from kvlab.setups_lmcache import http_port
+from kvlab.setups.lmcache import http_port
+from kvlab.setups.registry import EngineParams, render
 
 TOKENS = 16384
 CHUNK = 256

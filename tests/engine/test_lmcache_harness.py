@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.engine import ManagedProcess
+from kvlab.engines.local import ManagedProcess
 from kvlab.net import free_port
-from kvlab.setups import EngineParams, ProcessSpec
-from kvlab.setups_lmcache import cache_server, http_port, kvlab_l2_spec
+from kvlab.setups.lmcache import cache_server, http_port, kvlab_l2_spec
+from kvlab.setups.registry import EngineParams, ProcessSpec
 
 ENV = os.environ | {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"}
 

@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from kvlab import setup_cli, setups
+from kvlab.setups import cli as setup_cli
+from kvlab.setups import registry as setups
 
 pytestmark = [pytest.mark.testbed, pytest.mark.timeout(3600)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import bench_overhead as bo
+from kvlab.bench import overhead as bo
 from kvlab.cli import main
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.bench import bench_store
-from kvlab.fio import fio_available
+from kvlab.bench.connector import bench_store
+from kvlab.bench.fio import fio_available
 
 
 @pytest.mark.skipif(not fio_available(), reason="fio is not installed (scripts/system-deps installs it)")

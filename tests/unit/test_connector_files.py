@@ -1,5 +1,5 @@
 """The connector along its seams: small files, one job each, and host and GPU memory as two
-media chosen once (worker_media.py), never by a type check in the pipelines."""
+media chosen once (worker/media.py), never by a type check in the pipelines."""
 
 from __future__ import annotations
 
@@ -9,15 +9,19 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "connector" / "src" / "kvlab_connector"
-FILES = sorted(SRC.glob("*.py"))
+FILES = sorted(SRC.rglob("*.py"))
 MAX_LINES = 450
+def rel(path: Path) -> str:
+    return path.relative_to(SRC).as_posix()
+
+
 RINGS = {"DeviceRing", "StagingRing", "HostMedium", "DeviceMedium"}
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: rel(p))
 def test_no_file_is_over_the_bar(path: Path) -> None:
     lines = len(path.read_text().splitlines())
-    assert lines <= MAX_LINES, f"{path.name}: {lines} lines; split it by job"
+    assert lines <= MAX_LINES, f"{rel(path)}: {lines} lines; split it by job"
 
 
 def ring_type_checks(path: Path) -> list[int]:
@@ -41,7 +45,7 @@ def test_the_check_finds_a_type_check(tmp_path: Path) -> None:
     assert ring_type_checks(probe) == [2]
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if p.name.startswith("worker")], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in FILES if rel(p).startswith("worker/")], ids=lambda p: rel(p))
 def test_the_worker_never_asks_which_memory_a_slot_is_in(path: Path) -> None:
     assert ring_type_checks(path) == []
 
@@ -50,12 +54,12 @@ def test_the_worker_never_asks_which_memory_a_slot_is_in(path: Path) -> None:
 # inside the device medium, where "device memory" is a CUDA tensor or (in the CPU tests of
 # the GDS path) any torch tensor, and only CUDA needs a stream synchronised.
 MEMORY_CHOSEN_IN = {
-    "worker.py": {"WorkerSide.register_kv_caches"},  # HostMedium or DeviceMedium, HostCopies or CudaCopies
-    "worker_media.py": {"copies_for"},
+    "worker/worker.py": {"WorkerSide.register_kv_caches"},  # HostMedium or DeviceMedium, HostCopies or CudaCopies
+    "worker/media.py": {"copies_for"},
     "ring.py": {"DeviceRing.__init__"},
     "checksum.py": {"wsum64_tensor"},
-    "io_gds.py": {"DeviceIO._round_trips", "PosixFile._view"},
-    "store_memory.py": {"DeviceMemory.seal"},  # kvikio writes from its own stream
+    "io/gds.py": {"DeviceIO._round_trips", "PosixFile._view"},
+    "store/memory.py": {"DeviceMemory.seal"},  # kvikio writes from its own stream
 }
 
 
@@ -105,17 +109,17 @@ def test_the_memory_check_finds_each_kind_of_choice(tmp_path: Path) -> None:
     assert memory_choices(probe) == [("P.f", 4), ("P.f", 5), ("P.f", 6), ("P.f", 7), ("P.f", 8)]
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FILES, ids=lambda p: rel(p))
 def test_host_or_gpu_memory_is_chosen_only_where_a_medium_is_built(path: Path) -> None:
-    allowed = MEMORY_CHOSEN_IN.get(path.name, set())
+    allowed = MEMORY_CHOSEN_IN.get(rel(path), set())
     stray = [f"{scope or '<module>'}:{line}" for scope, line in memory_choices(path) if scope not in allowed]
-    assert stray == [], f"{path.name} chooses between host and GPU memory outside a medium's construction: {stray}"
+    assert stray == [], f"{rel(path)} chooses between host and GPU memory outside a medium's construction: {stray}"
 
 
 def test_the_store_has_one_call_per_job_for_either_memory() -> None:
-    """Host and device memory go through the same store calls (store_memory.SectionMemory
+    """Host and device memory go through the same store calls (store/memory.py: SectionMemory
     names the memory), not through a pair of calls per job."""
-    from kvlab_connector.store import ObjectWriter, Store
+    from kvlab_connector.store.store import ObjectWriter, Store
 
     paired = [f"{cls.__name__}.{n}" for cls in (Store, ObjectWriter) for n in dir(cls) if "device" in n and n != "device_file"]
     assert paired == []

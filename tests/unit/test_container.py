@@ -1,4 +1,4 @@
-"""kvlab.container: a setup's process spec becomes the podman command that runs it from the image."""
+"""kvlab.engines.podman: a setup's process spec becomes the podman command that runs it from the image."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import configparser
 
 import pytest
 
-from kvlab import container, setups
+from kvlab.engines import podman as container
+from kvlab.setups import registry as setups
 
 pytestmark = pytest.mark.unit
 

@@ -59,7 +59,7 @@ def test_prometheus_serves_every_declared_counter_by_its_name() -> None:
 def test_store_counters_are_the_stores_fields() -> None:
     import dataclasses
 
-    from kvlab_connector.store_stats import StoreStats
+    from kvlab_connector.store.stats import StoreStats
 
     # Every counter field is declared (objects_read was a field that nothing counted or read).
     fields = {f.name for f in dataclasses.fields(StoreStats)} - {"io_latency_s"}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from kvlab.demo import REQUEST_BYTES, request_bytes_p50
-from kvlab.engine import parse_prometheus
+from kvlab.bench.demo import REQUEST_BYTES, request_bytes_p50
+from kvlab.engines.local import parse_prometheus
 from kvlab_connector import metrics
 
 MIB = 1 << 20

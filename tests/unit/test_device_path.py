@@ -19,11 +19,11 @@ from test_worker import BLOCKS, CHUNK, kv_caches, layout, load, save
 
 from kvlab_connector.checksum import wsum64, wsum64_tensor
 from kvlab_connector.config import ConnectorConfig
-from kvlab_connector.io_gds import DeviceIO, PosixFile
+from kvlab_connector.io.gds import DeviceIO, PosixFile
 from kvlab_connector.ring import DeviceRing, StagingRing
 from kvlab_connector.scheduler import ChunkIO
-from kvlab_connector.store import MAGIC_WSUM, MAGIC_XXH3, DeviceMemory, ObjectShape, Store
-from kvlab_connector.worker import WorkerSide
+from kvlab_connector.store.store import MAGIC_WSUM, MAGIC_XXH3, DeviceMemory, ObjectShape, Store
+from kvlab_connector.worker.worker import WorkerSide
 
 NS = "cd" * 16
 SHAPE = ObjectShape(n_sections=3, section_bytes=2 * 4096 + 12)
@@ -250,7 +250,7 @@ def test_device_io_self_test_refuses_a_device_checksum_the_host_would_not_match(
      ("auto", None, False), ("gds", None, False)],
 )
 def test_kvikio_carries_kv_with_nvidia_fs_or_when_asked_for(io_engine: str, mode: str | None, wanted: bool) -> None:
-    from kvlab_connector.io_gds import GdsProbe
-    from kvlab_connector.worker import kvikio_wanted
+    from kvlab_connector.io.gds import GdsProbe
+    from kvlab_connector.worker.worker import kvikio_wanted
 
     assert kvikio_wanted(io_engine, GdsProbe(mode, "test", {})) is wanted

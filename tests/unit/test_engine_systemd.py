@@ -25,10 +25,11 @@ from ansible.plugins.filter.core import FilterModule as AnsibleCore
 from ansible.plugins.filter.mathstuff import FilterModule as AnsibleMath
 from jinja2.nativetypes import NativeEnvironment
 
-from kvlab import engine_systemd, setups
 from kvlab.cli import main
-from kvlab.engine import EngineError
-from kvlab.engine_systemd import Systemd, SystemdEngine, SystemdEngines, load_deployment
+from kvlab.engines import systemd as engine_systemd
+from kvlab.engines.local import EngineError
+from kvlab.engines.systemd import Systemd, SystemdEngine, SystemdEngines, load_deployment
+from kvlab.setups import registry as setups
 
 pytestmark = pytest.mark.unit
 

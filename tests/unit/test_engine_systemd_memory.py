@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from test_engine_systemd import FakeSystemctl, deployment
 
-from kvlab.engine import EngineServer
-from kvlab.engine_systemd import Systemd, SystemdEngine, cache_unit, engine_unit
+from kvlab.engines.local import EngineServer
+from kvlab.engines.systemd import Systemd, SystemdEngine, cache_unit, engine_unit
 from kvlab.harness.memory import CGROUP, PROCESS_TREE, MemorySampler, process_tree
 from kvlab.harness.report import memory_table
 from kvlab.harness.summary import summarize

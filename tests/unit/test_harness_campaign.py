@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab import setups
 from kvlab.cli import main
 from kvlab.harness import campaign
 from kvlab.harness.plan import lives_of, plan, render_plan
+from kvlab.setups import registry as setups
 
 ROOT = Path(__file__).resolve().parents[2]
 CAMPAIGNS = sorted((ROOT / "campaigns").glob("*.yml"))
@@ -140,7 +140,7 @@ def test_embedded_campaign_is_sized_for_this_machine() -> None:
     c, _ = campaign.load(ROOT / "campaigns/embedded.yml")
     total = sum(s.est_s for p in plan(c) for s in p.steps)
     assert total <= 22 * 60  # seven setups, three engine starts each
-    from kvlab.setups_lmcache import CPU_MEASURABLE
+    from kvlab.setups.lmcache import CPU_MEASURABLE
 
     # every setup that runs on the CPU engine, LMCache's included
     assert set(c.setups) == {"baseline", "kvlab", "vllm-example", *CPU_MEASURABLE}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.engine import parse_prometheus
+from kvlab.engines.local import parse_prometheus
 from kvlab.harness import metrics, results
 from kvlab.harness.report import render_run
 from kvlab.harness.summary import lmcache_breakdown, summarize, validate

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab import demo, setups
-from kvlab.engine import EngineServer
+from kvlab.bench import demo as demo
+from kvlab.engines.local import EngineServer
+from kvlab.setups import registry as setups
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.unit
@@ -129,7 +130,7 @@ def role_vars_for(params: setups.EngineParams) -> dict:
 
 
 def embedded_params(tmp: Path) -> setups.EngineParams:
-    """What `make demo` starts (kvlab.demo.engine_params). The role names the environment's
+    """What `make demo` starts (kvlab.bench.demo.engine_params). The role names the environment's
     interpreter <venv>/bin/python; the demo names the one running it (sys.executable), the
     same interpreter under another spelling when started as python3: use the role's."""
     params = demo.engine_params(tmp / "models" / "tiny", tokens=30000, work=tmp / "work", port=8123)

@@ -14,7 +14,7 @@ import torch
 from lmcache.v1.distributed.api import ObjectKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
-from kvlab_connector.lmcache_l2 import (
+from kvlab_connector.lmcache_l2.adapter import (
     KvlabL2Adapter,
     KvlabL2AdapterConfig,
     namespace_of,
@@ -324,7 +324,7 @@ def test_lmcache_loads_it_as_a_plugin(drives: list[Path]) -> None:
     from lmcache.v1.distributed.l2_adapters.plugin_l2_adapter import PluginL2AdapterConfig
 
     cfg = PluginL2AdapterConfig.from_dict({
-        "type": "plugin", "module_path": "kvlab_connector.lmcache_l2", "class_name": "KvlabL2Adapter",
+        "type": "plugin", "module_path": "kvlab_connector.lmcache_l2.adapter", "class_name": "KvlabL2Adapter",
         "adapter_params": {"paths": [str(d) for d in drives], "capacity_gb": 1},
     })
     a = create_l2_adapter(cfg)

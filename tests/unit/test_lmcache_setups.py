@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kvlab.setups import REGISTRY, EngineParams, SetupError, render
-from kvlab.setups_lmcache import CPU_MEASURABLE, GUARD_EXIT, LMCACHE_SETUPS, guard
+from kvlab.setups.lmcache import CPU_MEASURABLE, GUARD_EXIT, LMCACHE_SETUPS, guard
+from kvlab.setups.registry import REGISTRY, EngineParams, SetupError, render
 
 
 def params(**kw: object) -> EngineParams:
@@ -39,7 +39,7 @@ def test_gds_is_cuda_only_and_says_so() -> None:
 @pytest.mark.parametrize("setup", ["lmcache-cpu", "lmcache-disk"])
 def test_inprocess_setups_run_under_the_guard_on_cpu_only(setup: str) -> None:
     cpu = render(setup, params()).engine.argv
-    assert cpu[1] == "-c" and "kvlab.setups_lmcache" in cpu[2] and cpu[3] == "guard"
+    assert cpu[1] == "-c" and "kvlab.setups.lmcache" in cpu[2] and cpu[3] == "guard"
     assert cpu[cpu.index("--") + 1:][:3] == ("/py", "-m", "vllm.entrypoints.openai.api_server")
     assert kv_config(cpu)["kv_connector"] == "LMCacheConnectorV1"
     cuda = render(setup, params(device="cuda")).engine.argv

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import setups
-from kvlab.engine import EngineError, EngineServer
+from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness import scenarios
 from kvlab.harness.campaign import RestoreScenario
+from kvlab.setups import registry as setups
 
 pytestmark = pytest.mark.unit
 

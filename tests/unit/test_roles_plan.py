@@ -16,7 +16,8 @@ import pytest
 import yaml
 from test_lab_engine_cmdline import ROOT, read_unit, run_plan, unit_file, unit_process
 
-from kvlab import inventory, setups
+from kvlab import inventory
+from kvlab.setups import registry as setups
 
 pytestmark = pytest.mark.unit
 

@@ -20,7 +20,7 @@ from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.keys import KeyChain
 from kvlab_connector.layout import Layout
 from kvlab_connector.scheduler import ChunkIO, SchedulerSide, StepMetadata
-from kvlab_connector.store import ObjectShape
+from kvlab_connector.store.store import ObjectShape
 
 BS, CHUNK, PER = 16, 64, 4
 LAYOUT = Layout(("l0", "l1"), BS, 1024, CHUNK, "spec", "cpu", "fp", 1, False)

@@ -1,5 +1,5 @@
 """`vllm_server_runtime: image`: the lab's units run the registry's processes from the serving
-image, through kvlab.container.podman_argv, and hand the container the GPUs, GPUDirect Storage
+image, through kvlab.engines.podman.podman_argv, and hand the container the GPUs, GPUDirect Storage
 and the KV drives (the store's mounts), on the host's network. Rendered by `make plan
 inventory=lab` (no host contacted) for one H200 node, beside the venv runtime's plan; the image's
 delivery (podman load, the digest check) runs for real against a small OCI archive."""

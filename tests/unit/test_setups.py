@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvlab import setups
-from kvlab.setup_cli import params_from_mapping
+from kvlab.setups import registry as setups
+from kvlab.setups.cli import params_from_mapping
 
 
 def params(**kw) -> setups.EngineParams:  # type: ignore[no-untyped-def]
@@ -164,9 +164,9 @@ def test_every_connector_setting_of_the_registry_is_a_connector_key() -> None:
 
 
 def test_the_l2_under_lmcache_gets_only_what_was_set() -> None:
-    from kvlab.setups_lmcache import kvlab_l2_spec
+    from kvlab.setups.lmcache import kvlab_l2_spec
     from kvlab_connector.config import CAPACITY_BYTES
-    from kvlab_connector.lmcache_l2 import KvlabL2AdapterConfig
+    from kvlab_connector.lmcache_l2.adapter import KvlabL2AdapterConfig
 
     spec = kvlab_l2_spec(params())["adapter_params"]
     assert spec == {"paths": ["/mnt/a", "/mnt/b"]}
@@ -184,7 +184,7 @@ def test_the_lab_leaves_io_threads_to_the_connector(group: str, tmp_path) -> Non
     import yaml
 
     from kvlab_connector.config import ConnectorConfig
-    from kvlab_connector.store import Store
+    from kvlab_connector.store.store import Store
 
     root = Path(__file__).resolve().parents[2]
     values = yaml.safe_load((root / f"inventories/lab/group_vars/{group}/main.yml").read_text())

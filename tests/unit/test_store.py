@@ -71,7 +71,7 @@ def test_round_trip(tmp_path: Path, ring: StagingRing) -> None:
 
 
 def test_requests_in_flight_grow_with_the_drives(tmp_path: Path) -> None:
-    from kvlab_connector.store import IO_THREADS_PER_DRIVE
+    from kvlab_connector.store.store import IO_THREADS_PER_DRIVE
 
     paths = [tmp_path / f"d{i}" for i in range(3)]
     for io_threads, expected in ((None, 3 * IO_THREADS_PER_DRIVE), (5, 5)):
@@ -100,7 +100,7 @@ def fragment_files(tmp_path: Path, i: int) -> list[Path]:
 def test_queued_sections_go_out_as_one_vectored_write(tmp_path: Path, ring: StagingRing) -> None:
     import threading
 
-    from kvlab_connector.io_posix import PosixEngine
+    from kvlab_connector.io.posix import PosixEngine
 
     engine = PosixEngine(threads=1)
     gate = threading.Event()

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from kvlab_connector.config import ConnectorConfig
-from kvlab_connector.io_posix import PosixEngine
+from kvlab_connector.io.posix import PosixEngine
 from kvlab_connector.layout import Layout
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
-from kvlab_connector.store import Store
-from kvlab_connector.worker import WorkerSide
+from kvlab_connector.store.store import Store
+from kvlab_connector.worker.worker import WorkerSide
 
 LAYERS, BLOCKS, HEADS, BS, HD = 3, 16, 2, 16, 8  # CPU layout: [blocks, heads, block_size, 2*head_dim]
 CHUNK = 32  # two blocks per chunk
@@ -110,7 +110,7 @@ def test_blocks_interleaved_across_layers_load_in_place(tmp_path: Path) -> None:
     ([-1, -1], []),
 ])
 def test_block_runs(ids: list[int], runs: list[tuple[int, int, int]]) -> None:
-    from kvlab_connector.worker import _runs
+    from kvlab_connector.worker.worker import _runs
 
     assert _runs(ids) == runs
 
@@ -195,7 +195,7 @@ def test_io_threads_run_on_every_cpu_of_the_process() -> None:
     import os
     import threading
 
-    from kvlab_connector.io_posix import PosixEngine, process_cpus
+    from kvlab_connector.io.posix import PosixEngine, process_cpus
 
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:

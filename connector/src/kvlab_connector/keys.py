@@ -19,7 +19,7 @@ import numpy as np
 
 KEY_BYTES = 16
 # Bumped whenever the key derivation changes (the sections' on-drive format carries its own
-# version in every trailer's magic: store_format). Tail objects (see KeyChain.tail_key) added
+# version in every trailer's magic: store/format.py). Tail objects (see KeyChain.tail_key) added
 # keys without changing any chunk's key. Objects written before trailer format 2 (the write
 # id in every section) are clean misses by their magic, and evicted like the rest.
 FORMAT_VERSION = 1

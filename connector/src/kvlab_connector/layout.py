@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvlab_connector.config import ConfigError
 from kvlab_connector.keys import namespace
-from kvlab_connector.store import ObjectShape
+from kvlab_connector.store.store import ObjectShape
 
 
 @dataclass(frozen=True)

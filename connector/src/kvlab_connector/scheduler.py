@@ -30,7 +30,7 @@ from kvlab_connector import metrics
 from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.keys import KeyChain
 from kvlab_connector.layout import Layout
-from kvlab_connector.store import Store
+from kvlab_connector.store.store import Store
 
 log = logging.getLogger("vllm.kvlab_connector")
 

@@ -20,7 +20,7 @@ from kvlab_connector.config import ConfigError, ConnectorConfig
 from kvlab_connector.keys import model_fingerprint
 from kvlab_connector.layout import layout_from_vllm
 from kvlab_connector.scheduler import SchedulerSide, StepMetadata
-from kvlab_connector.store import Store
+from kvlab_connector.store.store import Store
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ class KvlabConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            from kvlab_connector.worker import WorkerSide
+            from kvlab_connector.worker.worker import WorkerSide
 
             try:
                 rank = get_tensor_model_parallel_rank()

@@ -1,7 +1,7 @@
 """Filters that render vLLM's systemd units from kvlab's setup registry (and, for the image
-runtime, kvlab.container's podman command that runs the same process from the serving image).
+runtime, kvlab.engines.podman's podman command that runs the same process from the serving image).
 
-The registry (src/kvlab/setups.py) is the one source of engine command lines: the role
+The registry (src/kvlab/setups/registry.py) is the one source of engine command lines: the role
 never restates a flag. These filters run on the controller, from the checkout the role
 lives in, so a plan or a deploy renders exactly what `kvlab setup render` prints there.
 """
@@ -32,7 +32,8 @@ def _checkout_first() -> None:
 def _registry():
     _checkout_first()
     try:
-        from kvlab import setup_cli, setups
+        from kvlab.setups import cli as setup_cli
+        from kvlab.setups import registry as setups
     except ImportError as e:  # pragma: no cover - a broken checkout
         raise AnsibleFilterError(
             f"kvlab_setup_render: cannot import kvlab's setup registry from {_SRC} ({e}): "
@@ -86,7 +87,8 @@ def systemd_exec(argv: list[Any]) -> str:
 
 def _container():
     _checkout_first()
-    from kvlab import container, setups
+    from kvlab.engines import podman as container
+    from kvlab.setups import registry as setups
 
     return container, setups
 
@@ -135,7 +137,7 @@ def kvlab_container_exec(
     spec: dict[str, Any], env: dict[str, Any], name: str, params: dict[str, Any], options: dict[str, Any]
 ) -> str:
     """ExecStart= of a rendered process (a Deployment's engine or companion, as a dict) run from
-    the serving image: kvlab.container.podman_argv, the function `kvlab campaign run --engine
+    the serving image: kvlab.engines.podman.podman_argv, the function `kvlab campaign run --engine
     container` starts containers with. `env` is what the unit's Environment= lines set (the
     site's and the setup's); podman hands each to the container, the API key through its file."""
     container, setups = _container()

@@ -15,9 +15,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from kvlab import setups
 from kvlab.harness.campaign_base import CampaignError, FileField, Strict, resolve_file
 from kvlab.harness.sessions import AgentSource, agent_max_prompt_tokens, sha256_file
+from kvlab.setups import registry as setups
 
 __all__ = ["Campaign", "CampaignError", "FileRef", "load", "parse", "resolve_file", "shipment"]
 

@@ -149,7 +149,7 @@ def _compare(args: argparse.Namespace) -> int:
     def engines_for(control: str) -> Engines:
         if control == "local":
             return LocalEngines()
-        from kvlab.engine_container import ContainerEngines
+        from kvlab.engines.container import ContainerEngines
 
         return ContainerEngines("cpu")
 
@@ -184,7 +184,7 @@ def _engines(args: argparse.Namespace) -> Engines | None:
             return None
         if args.dry_run:
             return None  # a plan starts nothing: no image to build or load
-        from kvlab.engine_container import ContainerEngines
+        from kvlab.engines.container import ContainerEngines
 
         return ContainerEngines("cpu")
     if not args.endpoint:
@@ -194,7 +194,7 @@ def _engines(args: argparse.Namespace) -> Engines | None:
     if url.scheme != "http" or not url.hostname or not url.port or url.path not in ("", "/"):
         raise UserError(f"--endpoint {args.endpoint}: give the engine's base URL as http://HOST:PORT "
                         "(e.g. http://127.0.0.1:8000)")
-    from kvlab.engine_systemd import SystemdEngines
+    from kvlab.engines.systemd import SystemdEngines
 
     return SystemdEngines(args.endpoint)
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlab import setups
 from kvlab.harness.campaign import Campaign
 from kvlab.harness.sessions import agent_max_prompt_tokens, generator_max_prompt_tokens
+from kvlab.setups import registry as setups
 
 TINY_KV_BYTES_PER_TOKEN = 16384
 

@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvlab import setups
-from kvlab.engine import EngineError, EngineServer
+from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness import results, scenarios
 from kvlab.harness.campaign import Campaign, CampaignError
 from kvlab.harness.memory import MemorySampler
@@ -19,6 +18,7 @@ from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, lives
 from kvlab.harness.sessions import sha256_file, workload
 from kvlab.net import free_port
 from kvlab.paths import state_dir
+from kvlab.setups import registry as setups
 
 
 def note(msg: str) -> None:
@@ -55,7 +55,7 @@ class Progress:
 
 class Engines(Protocol):
     """How a setup's engine is rendered and controlled: LocalEngines here, or
-    kvlab.engine_systemd.SystemdEngines on a lab node (`--engine systemd`)."""
+    kvlab.engines.systemd.SystemdEngines on a lab node (`--engine systemd`)."""
 
     def deployment(self, setup: str, params: setups.EngineParams) -> setups.Deployment: ...
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.client import Completion, complete
-from kvlab.engine import EngineServer, metric_sum, parse_prometheus
+from kvlab.engines.local import EngineServer, metric_sum, parse_prometheus
 from kvlab.harness import metrics
 from kvlab.harness.campaign import AgentsScenario, RestoreScenario, SweepScenario
 from kvlab.harness.pagecache import drop_page_cache

@@ -1,7 +1,7 @@
 """The worker side: moves sections between the drives and vLLM's paged KV cache.
 
-This class sets up and hands each of vLLM's calls to a pipeline: loads in worker_load.py,
-saves in worker_save.py. Both move sections through a medium (worker_media.py), chosen
+This class sets up and hands each of vLLM's calls to a pipeline: loads in worker/load.py,
+saves in worker/save.py. Both move sections through a medium (worker/media.py), chosen
 once here when the KV cache is registered:
 - CPU engines: the host ring; copies are memmoves (or index_copy_ for other layouts).
 - GPU engines with GDS (kvikio; compat mode where nvidia-fs is absent): a ring in device
@@ -21,14 +21,14 @@ import torch
 from kvlab_connector import metrics
 from kvlab_connector.config import ConnectorConfig
 from kvlab_connector.counters import COUNTERS
-from kvlab_connector.io_gds import DeviceIO, GdsProbe
+from kvlab_connector.io.gds import DeviceIO, GdsProbe
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import DeviceRing, StagingRing
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
-from kvlab_connector.store import Store
-from kvlab_connector.worker_load import LoadPipeline, _runs
-from kvlab_connector.worker_media import DeviceMedium, HostMedium, PagedCache, Transfers, copies_for
-from kvlab_connector.worker_save import SavePipeline
+from kvlab_connector.store.store import Store
+from kvlab_connector.worker.load import LoadPipeline, _runs
+from kvlab_connector.worker.media import DeviceMedium, HostMedium, PagedCache, Transfers, copies_for
+from kvlab_connector.worker.save import SavePipeline
 
 __all__ = ["WorkerSide", "_runs", "kvikio_wanted"]
 
@@ -144,7 +144,7 @@ class WorkerSide:
         wait for the work queued on the default stream (the forward pass, unless the engine
         moved it): loads overlap compute less. On an H200 (make gpu-check) the host ring
         loaded and saved faster and overlapped more."""
-        from kvlab_connector.io_gds import probe_gds
+        from kvlab_connector.io.gds import probe_gds
 
         if self.config.io_engine != "posix":
             gds = probe_gds()
@@ -176,7 +176,7 @@ class WorkerSide:
 
     def use_device_io(self, device_io: DeviceIO, device: torch.device) -> None:
         """Stage sections in device memory and move them with device_io (GDS). GPU engines
-        come here from the probe; CPU tests come here with io_gds.PosixFile."""
+        come here from the probe; CPU tests come here with gds.PosixFile."""
         t = self.transfers
         assert t is not None, "register_kv_caches first"
         t.medium.close_ring()

@@ -3,12 +3,12 @@
 An object is the KV of one chunk of tokens (or of a shorter tail): sections, one per layer,
 striped over the drives, each verified when read. The store's jobs, a module each:
 
-- store_format: how objects are cut and named on the drives, and each section's trailer;
-- store_writer: an object's sections written as they come, committed by renames;
-- store_reader: the read paths, verifying every section;
-- store_memory: what reads land in and writes come from, one interface: HOST (any host
+- format: how objects are cut and named on the drives, and each section's trailer;
+- writer: an object's sections written as they come, committed by renames;
+- reader: the read paths, verifying every section;
+- memory: what reads land in and writes come from, one interface: HOST (any host
   buffer) or DeviceMemory (GDS: device memory through kvikio), named by the caller;
-- store_ledger: the capacity bound shared by every process, eviction, the start-up rebuild.
+- ledger: the capacity bound shared by every process, eviction, the start-up rebuild.
 
 `Store` ties them to one set of drives; this module's names are the store's public API.
 """
@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvlab_connector.config import is_positive_int
-from kvlab_connector.io_posix import PosixEngine, supports_o_direct
-from kvlab_connector.store_format import (
+from kvlab_connector.io.posix import PosixEngine, supports_o_direct
+from kvlab_connector.store.format import (
     MAGIC_WSUM,
     MAGIC_XXH3,
     ROOT_NAME,
@@ -32,11 +32,11 @@ from kvlab_connector.store_format import (
     check_name,
     pack_trailer,
 )
-from kvlab_connector.store_ledger import LOW_WATER, Ledger, ObjectId, ScanResult
-from kvlab_connector.store_memory import HOST, DeviceMemory, OpenObject, SectionMemory
-from kvlab_connector.store_reader import READ_REQUEST_BYTES, ReadPaths
-from kvlab_connector.store_stats import StoreStats
-from kvlab_connector.store_writer import ObjectWriter
+from kvlab_connector.store.ledger import LOW_WATER, Ledger, ObjectId, ScanResult
+from kvlab_connector.store.memory import HOST, DeviceMemory, OpenObject, SectionMemory
+from kvlab_connector.store.reader import READ_REQUEST_BYTES, ReadPaths
+from kvlab_connector.store.stats import StoreStats
+from kvlab_connector.store.writer import ObjectWriter
 
 __all__ = [
     "HOST", "IO_THREADS_PER_DRIVE", "LOW_WATER", "MAGIC_WSUM", "MAGIC_XXH3", "READ_REQUEST_BYTES", "ROOT_NAME",
@@ -132,7 +132,7 @@ class Store(ReadPaths):
             self._writers.add(writer)
         return writer
 
-    # ---- the capacity ledger (store_ledger.Ledger) ----------------------------------------
+    # ---- the capacity ledger (ledger.Ledger) ----------------------------------------
     @property
     def capacity_bytes(self) -> int:
         """The bound now: capacity_bytes as configured, lower while a drive is full."""

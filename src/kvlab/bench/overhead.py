@@ -30,13 +30,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvlab import setups
 from kvlab.client import complete
-from kvlab.engine import EngineServer
+from kvlab.engines.local import EngineServer
 from kvlab.harness import metrics, results
 from kvlab.harness.sessions import token_ids
 from kvlab.net import free_port
 from kvlab.paths import state_dir
+from kvlab.setups import registry as setups
 
 SCHEMA = "kvlab.bench.overhead/1"
 SETUPS = ("baseline", "kvlab")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from kvlab_connector import metrics
 from kvlab_connector.osutil import pid_alive, syncfs
-from kvlab_connector.store_format import FRAGMENT_RE, TMP_RE, check_name
-from kvlab_connector.store_stats import StoreStats
+from kvlab_connector.store.format import FRAGMENT_RE, TMP_RE, check_name
+from kvlab_connector.store.stats import StoreStats
 
 log = logging.getLogger("vllm.kvlab_connector")
 

@@ -382,8 +382,8 @@ register(Setup(
 ))
 
 
-# LMCache's tiers (in-process and MP mode): kvlab/setups_lmcache.py.
-REGISTRY.register_module("kvlab.setups_lmcache", (
+# LMCache's tiers (in-process and MP mode): kvlab/setups/lmcache.py.
+REGISTRY.register_module("kvlab.setups.lmcache", (
     "lmcache-cpu", "lmcache-disk", "lmcache-gds", "lmcache-mp", "lmcache-mp+fs",
     "lmcache-mp+kvlab", "lmcache-mp+kvlab-detached",
 ))

@@ -1,6 +1,6 @@
 """One process of a setup, run from the serving image (images/serve) with podman.
 
-`podman_argv` is the one place that turns a kvlab.setups.ProcessSpec into the podman command that
+`podman_argv` is the one place that turns a kvlab.setups.registry.ProcessSpec into the podman command that
 runs it in a container: `kvlab campaign run --engine container` starts it here, and the lab's
 vllm_server role renders its systemd unit from the same function (`vllm_server_runtime: image`),
 so the two differ only in their parameters, never in the flags.
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlab.setups import ProcessSpec
+from kvlab.setups.registry import ProcessSpec
 
 # What this machine's podman needs (crun refuses the hybrid cgroup layout, rlimits cannot be set
 # here): runc, cgroupfs and no default ulimits, in the project's containers.conf, never /etc's.
@@ -79,7 +79,7 @@ def podman_argv(
     `image`: an image ID or reference the node's podman has loaded (`podman load` of the build's
     archive). `name`: the container's name; `--replace` removes a stale one of the same name (a
     unit restarted after a crash). The container is removed when it exits (`--rm`); the caller
-    still runs `podman rm -f NAME` when it stops it (kvlab.container.rm_argv).
+    still runs `podman rm -f NAME` when it stops it (kvlab.engines.podman.rm_argv).
     """
     if not spec.argv:
         raise ContainerError(f"container {name}: the process spec has no argv")

@@ -27,16 +27,16 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvlab import setups
+from kvlab.bench.fio import FioResult, fio_limit
+from kvlab.bench.fio import cleanup as fio_cleanup
 from kvlab.client import complete
-from kvlab.engine import EngineServer, drop_page_cache, parse_prometheus
-from kvlab.fio import FioResult, fio_limit
-from kvlab.fio import cleanup as fio_cleanup
+from kvlab.engines.local import EngineServer, drop_page_cache, parse_prometheus
 from kvlab.harness import results
 from kvlab.harness.scenarios import io_mode_of
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.net import free_port
 from kvlab.paths import state_dir
+from kvlab.setups import registry as setups
 
 SETUPS = ("kvlab", "vllm-example")
 
@@ -73,7 +73,7 @@ class Samples:
 
 def wait_for_objects(store: Path, expected: int, timeout_s: float = 600) -> None:
     """Saves are asynchronous: wait until the prompt's objects are committed on the drive."""
-    from kvlab_connector.store import Store
+    from kvlab_connector.store.store import Store
 
     t0 = time.monotonic()
     view = Store([store], capacity_bytes=1 << 50, io_threads=1)

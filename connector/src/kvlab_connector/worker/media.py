@@ -5,7 +5,7 @@ kv_offload picks one transfer handler per (source, destination) medium pair:
 - HostMedium: the host staging ring (CPU engines; GPU engines without GDS, page-locked);
 - DeviceMedium: a ring in device memory that drives and GPU exchange sections with
   directly (GDS through kvikio), checksummed on the device.
-The load and save pipelines (worker_load.py, worker_save.py) call only this interface.
+The load and save pipelines (worker/load.py, worker/save.py) call only this interface.
 
 How copies between a slot and the paged cache are ordered with the engine's forward pass is
 chosen once too, from the device the KV cache is on: CacheCopies (HostCopies for CPU
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from kvlab_connector.config import ConnectorConfig
-from kvlab_connector.io_gds import side_stream
+from kvlab_connector.io.gds import side_stream
 from kvlab_connector.layout import Layout
 from kvlab_connector.ring import DeviceRing, StagingRing
-from kvlab_connector.store import (
+from kvlab_connector.store.store import (
     HOST,
     DeviceMemory,
     ObjectShape,
@@ -42,7 +42,7 @@ log = logging.getLogger("vllm.kvlab_connector")
 
 
 class Medium(ABC):
-    """Ring slots in one kind of memory, and the store's memory (store_memory.py) that
+    """Ring slots in one kind of memory, and the store's memory (store/memory.py) that
     fills and drains them."""
 
     ring: StagingRing | DeviceRing
@@ -256,7 +256,7 @@ class PagedCache:
     tag: int  # the physical layout's checksum: tags every section
     copies: CacheCopies
     # CPU engine with each block one contiguous run of bytes: copies are plain memmoves
-    # between the paged cache and the host ring (worker_load.copy_in).
+    # between the paged cache and the host ring (load.copy_in).
     direct_copy: bool
 
 

@@ -2,7 +2,7 @@
 
 LMCache's cache server loads it as a plugin:
 
-    --l2-adapter '{"type":"plugin","module_path":"kvlab_connector.lmcache_l2",
+    --l2-adapter '{"type":"plugin","module_path":"kvlab_connector.lmcache_l2.adapter",
                    "class_name":"KvlabL2Adapter",
                    "adapter_params":{"paths":["/mnt/nvme0","/mnt/nvme1"],"capacity_bytes":...}}'
 
@@ -39,8 +39,8 @@ from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.l2_adapters.base import AdapterUsage, L2AdapterInterface, L2TaskId
 from lmcache.v1.platform import create_event_notifier
 
-from kvlab_connector.lmcache_l2_config import KvlabL2AdapterConfig
-from kvlab_connector.lmcache_l2_keys import namespace_of, shape_for, store_key
+from kvlab_connector.lmcache_l2.config import KvlabL2AdapterConfig
+from kvlab_connector.lmcache_l2.keys import namespace_of, shape_for, store_key
 from kvlab_connector.ring import PAGE, RingFull, StagingRing, align_up
 from kvlab_connector.store import ObjectShape, Store
 

@@ -5,7 +5,7 @@ of the medium and queues the write. No free slot: the object is dropped and coun
 A finished request's last objects are copied out at the start of the next step
 (`save_finished`) and vLLM holds their blocks only until the end of that step.
 
-On a GPU every copy runs on a side stream (worker_media.CudaCopies), so the forward pass
+On a GPU every copy runs on a side stream (media.CudaCopies), so the forward pass
 never waits for a save: a save's copy starts after the layer's KV is written and the forward
 stream waits for it only at the end of the step, before vLLM may reuse those blocks.
 """
@@ -22,14 +22,14 @@ import torch
 from kvlab_connector import metrics
 from kvlab_connector.ring import RingFull
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
-from kvlab_connector.store import ObjectWriter
-from kvlab_connector.worker_media import Transfers
+from kvlab_connector.store.store import ObjectWriter
+from kvlab_connector.worker.media import Transfers
 
 log = logging.getLogger("vllm.kvlab_connector")
 
 
 class SavePipeline:
-    """`poisoned` and `removing`: the load pipeline's (worker_load.LoadPipeline)."""
+    """`poisoned` and `removing`: the load pipeline's (load.LoadPipeline)."""
 
     def __init__(self, t: Transfers, poisoned: dict[str, int], removing: dict[str, Future[int]]):
         self.t = t
@@ -114,7 +114,7 @@ class SavePipeline:
     ) -> None:
         """Copy an object's blocks of one layer into a slot and hand the slot to the writer
         (with `hold`, the object being saved: at end_step, see _release_held). The cache's
-        CacheCopies order the copy with the forward pass (worker_media.py)."""
+        CacheCopies order the copy with the forward pass (worker/media.py)."""
         medium = self.t.medium
         blocks_dim = self.t.cache.blocks_dim
 

@@ -1,6 +1,6 @@
 """The memory a section is read into or written from, as the store sees it: one interface,
 two implementations, chosen once by whoever owns the memory (the worker's medium,
-worker_media.py) and handed to every store call that touches section bytes.
+worker/media.py) and handed to every store call that touches section bytes.
 
 - HOST: any host buffer (the staging ring, a bench's buffers). Files are plain descriptors
   (O_DIRECT where the drive takes it); adjacent sections are read and written with one
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from kvlab_connector.checksum import wsum64, wsum64_tensor
-from kvlab_connector.io_gds import side_stream
-from kvlab_connector.io_posix import pwritev_full
+from kvlab_connector.io.gds import side_stream
+from kvlab_connector.io.posix import pwritev_full
 from kvlab_connector.ring import align_up
-from kvlab_connector.store_format import (
+from kvlab_connector.store.format import (
     MAGIC_WSUM,
     MAGIC_XXH3,
     TRAILER_BYTES,
@@ -38,8 +38,8 @@ from kvlab_connector.store_format import (
 )
 
 if TYPE_CHECKING:
-    from kvlab_connector.store import Store
-    from kvlab_connector.store_writer import ObjectWriter, QueuedWrite
+    from kvlab_connector.store.store import Store
+    from kvlab_connector.store.writer import ObjectWriter, QueuedWrite
 
 
 class OpenObject(list):
@@ -166,7 +166,7 @@ class DeviceMemory(SectionMemory):
     merges_writes = False  # device slots are not adjacent in memory; kvikio splits a request itself
 
     def __init__(self, device_io: Any):
-        self.device_io = device_io  # io_gds.DeviceIO: kvikio, or io_gds.PosixFile in the tests
+        self.device_io = device_io  # gds.DeviceIO: kvikio, or gds.PosixFile in the tests
 
     def open(self, store: Store, ns: str, key: str, shape: ObjectShape) -> OpenObject | None:
         handles = OpenObject()

@@ -3,7 +3,7 @@ runs from the serving image (images/serve, flavour cpu here) instead of the venv
 
 The image comes from the image store (kvlab.images.build.ensure: built once per set of inputs),
 is loaded with `podman load` and its manifest digest checked against the build's, and each process
-is the podman command kvlab.container.podman_argv renders from the setup's own ProcessSpec (the
+is the podman command kvlab.engines.podman.podman_argv renders from the setup's own ProcessSpec (the
 argv and environment the venv engine gets, with `python3` the image's interpreter). The harness
 starts and stops the `podman run` process by its PID, as it does a venv engine; stopping also
 removes its container (`podman rm -f`), whatever state the process left it in.
@@ -17,8 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from kvlab import container, setups
-from kvlab.engine import EngineError, EngineServer
+from kvlab.engines import podman as container
+from kvlab.engines.local import EngineError, EngineServer
+from kvlab.setups import registry as setups
 
 
 class ImageLoadError(EngineError):

@@ -20,7 +20,7 @@ write always follows the same other job; each repeat's order is recorded.
 memory: the engine's RSS with kvlab (a 1 GiB ring, a working set ten times the ring)
 minus the same engine without a connector, same workload, same run.
 
-overhead (kvlab.bench_overhead): kvlab's decode rate and miss TTFT over baseline's.
+overhead (kvlab.bench.overhead): kvlab's decode rate and miss TTFT over baseline's.
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvlab import bench_overhead, setups
+from kvlab.bench import overhead as bench_overhead
+from kvlab.bench.fio import BLOCK_SIZES, run_fio
+from kvlab.bench.fio import cleanup as fio_cleanup
 from kvlab.client import complete
-from kvlab.engine import EngineServer, drop_page_cache
-from kvlab.fio import BLOCK_SIZES, run_fio
-from kvlab.fio import cleanup as fio_cleanup
+from kvlab.engines.local import EngineServer, drop_page_cache
 from kvlab.harness import metrics, results
 from kvlab.harness.memory import tree_usage
 from kvlab.model import TinyGeometry, ensure_tiny
 from kvlab.paths import state_dir
+from kvlab.setups import registry as setups
 from kvlab_connector.config import positive_int
 
 

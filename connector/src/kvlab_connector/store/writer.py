@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvlab_connector import metrics
-from kvlab_connector.store_format import ObjectShape
-from kvlab_connector.store_ledger import unlink_quietly
-from kvlab_connector.store_memory import HOST, SectionMemory
+from kvlab_connector.store.format import ObjectShape
+from kvlab_connector.store.ledger import unlink_quietly
+from kvlab_connector.store.memory import HOST, SectionMemory
 
 if TYPE_CHECKING:
-    from kvlab_connector.store import Store
+    from kvlab_connector.store.store import Store
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full drive, or the store's user's quota
 # One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvlab.engine import EngineError, EngineServer
+from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness.memory import CgroupUnreadable, Usage, cgroup_usage, process_tree
-from kvlab.setups import Deployment, EngineParams, ProcessSpec, SetupError
+from kvlab.setups.registry import Deployment, EngineParams, ProcessSpec, SetupError
 
 # vllm_server_config_dir (the role's default) + /setups: one <setup>.json per rendered setup.
 SETUPS_DIR = Path("/etc/kvlab/setups")

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from kvlab_connector import metrics
-from kvlab_connector.io_posix import spread_over_process_cpus
+from kvlab_connector.io.posix import spread_over_process_cpus
 from kvlab_connector.ring import RingFull
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
-from kvlab_connector.worker_media import Transfers
+from kvlab_connector.worker.media import Transfers
 
 log = logging.getLogger("vllm.kvlab_connector")
 

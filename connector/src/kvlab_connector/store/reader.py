@@ -1,5 +1,5 @@
 """The store's read paths: open an object's fragments, read runs of adjacent sections with
-one request each, into the memory the caller names (store_memory.py: host memory, or with
+one request each, into the memory the caller names (store/memory.py: host memory, or with
 GDS device memory), and verify every section: anything missing, truncated, failing its
 checksum or of another write than the object's first verified section is a miss, never KV."""
 
@@ -13,10 +13,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvlab_connector import metrics
-from kvlab_connector.io_posix import PosixEngine
-from kvlab_connector.store_format import FragmentNames, ObjectShape
-from kvlab_connector.store_memory import HOST, OpenObject, SectionMemory
-from kvlab_connector.store_stats import StoreStats
+from kvlab_connector.io.posix import PosixEngine
+from kvlab_connector.store.format import FragmentNames, ObjectShape
+from kvlab_connector.store.memory import HOST, OpenObject, SectionMemory
+from kvlab_connector.store.stats import StoreStats
 
 # The size a read request aims at on one drive: adjacent sections of a fragment file are
 # read together up to it (one 1 MiB request per section reached ~0.6-0.8 of what 2 MiB

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvlab.setups import Deployment, ProcessSpec
+from kvlab.setups.registry import Deployment, ProcessSpec
 from kvlab_connector.osutil import drop_page_cache, pid_alive
 
 if TYPE_CHECKING:

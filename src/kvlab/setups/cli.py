@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-from kvlab import setups
+from kvlab.setups import registry as setups
 
 
 def params_from_mapping(values: dict[str, Any]) -> setups.EngineParams:

@@ -6,7 +6,7 @@ import hashlib
 import struct
 from typing import Any
 
-from kvlab_connector.store import ObjectShape
+from kvlab_connector.store.store import ObjectShape
 
 KEY_SCHEME = b"kvlab-lmcache-l2-v1"
 

@@ -1,4 +1,4 @@
-"""LMCache's tiers as setups of the one registry: kvlab.setups declares their names and
+"""LMCache's tiers as setups of the one registry: kvlab.setups.registry declares their names and
 loads SETUPS from here on first use (this module imports the registry's types, never back).
 
 In-process (LMCache inside vLLM's worker): `lmcache-cpu` (DRAM), `lmcache-disk` (local
@@ -10,7 +10,7 @@ cache server that lives in its own service and outlives engine restarts.
 
 On the vLLM CPU engine LMCache's in-process connector finds no CPU path and keeps
 serving as plain recompute ("No supported cpu connector found"). The in-process setups
-therefore start vLLM under a guard on CPU (`kvlab.setups_lmcache.main guard`) that
+therefore start vLLM under a guard on CPU (`kvlab.setups.lmcache.main guard`) that
 stops the engine with a one-line error the moment that message appears: a recompute is
 never reported as an LMCache number.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from kvlab.setups import (
+from kvlab.setups.registry import (
     LOAD_FAILURE_POLICY,
     Deployment,
     EngineParams,
@@ -44,10 +44,10 @@ CHUNK_TOKENS = 256  # LMCache's chunk size, engine and cache server alike
 # manager's "degraded mode" line, whatever the cause.
 DEGRADED_MARKERS = ("No supported cpu connector found", "will operate in degraded mode (recompute)")
 GUARD_EXIT = 78
-# Not `-m kvlab.setups_lmcache`: that would run a second copy of this module, as __main__,
+# Not `-m kvlab.setups.lmcache`: that would run a second copy of this module, as __main__,
 # beside the one the registry loads.
-GUARD_ENTRY = "import sys; from kvlab.setups_lmcache import main; sys.exit(main())"  # EX_CONFIG: the setup cannot serve what it claims on this machine
-KVLAB_L2_MODULE = "kvlab_connector.lmcache_l2"
+GUARD_ENTRY = "import sys; from kvlab.setups.lmcache import main; sys.exit(main())"  # EX_CONFIG: the setup cannot serve what it claims on this machine
+KVLAB_L2_MODULE = "kvlab_connector.lmcache_l2.adapter"
 KVLAB_L2_CLASS = "KvlabL2Adapter"
 L2_RING_CAP_BYTES = 256 << 20
 
@@ -209,7 +209,7 @@ _MP_SETUPS: tuple[tuple[str, str, Callable[[EngineParams], dict[str, Any] | None
      "lmcache-mp+kvlab with the cache server in its own service: it outlives engine restarts",
      kvlab_l2_spec, True),
 )
-# What kvlab.setups declares under this module's path, in its order.
+# What kvlab.setups.registry declares under this module's path, in its order.
 SETUPS: tuple[Setup, ...] = (
     *(
         GuardedSetup(
@@ -290,7 +290,7 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 def main(args: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvlab.setups_lmcache")
+    ap = argparse.ArgumentParser(prog="kvlab.setups.lmcache")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("guard", help="run an engine, failing if LMCache degrades to recompute")
     g.add_argument("--setup", required=True)

@@ -1,0 +1,1 @@
+"""Benchmarks: the connector's (store, memory, overhead), the demo, fio's drive limit."""

@@ -1,0 +1,1 @@
+"""Engine control: local processes, systemd units (the lab), containers from the serving image."""
