@@ -32,8 +32,10 @@ def test_every_pinned_package_of_the_storage_roles_is_read():
     assert f.package_pins_role_packages(os_vars("nvmeof_target"), "nvmeof_target", {}) == ["kmod", "python3"]
     inbox = f.package_pins_role_packages(os_vars("rdma"), "rdma", {"rdma_stack": "inbox"})
     assert inbox == ["iproute2", "ethtool", "rdma-core", "ibverbs-utils", "rdmacm-utils"]
-    doca = f.package_pins_role_packages(os_vars("rdma"), "rdma", {"rdma_stack": "doca", "rdma_doca_profile": "doca-ofed"})
-    assert doca == ["iproute2", "ethtool", "doca-ofed"]
+    doca = f.package_pins_role_packages(
+        os_vars("rdma"), "rdma", {"rdma_stack": "doca", "rdma_doca_profile": "doca-ofed"}
+    )
+    assert doca == ["iproute2", "ethtool", "doca-ofed", "mlnx-nvme-dkms", "mlnx-fw-updater"]
 
 
 def test_apt_cache_show_gives_the_candidates_version_and_hash():

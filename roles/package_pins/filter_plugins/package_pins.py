@@ -11,7 +11,11 @@ def package_pins_role_packages(os_vars: dict, role: str, hostvars: dict) -> list
     if role == "rdma":
         stack = hostvars.get("rdma_stack", "inbox")
         names = list(os_vars.get("__rdma_base_packages", {}))
-        names += list(os_vars.get("__rdma_inbox_packages", {})) if stack == "inbox" else [hostvars.get("rdma_doca_profile", "doca-ofed")]
+        if stack == "inbox":
+            names += list(os_vars.get("__rdma_inbox_packages", {}))
+        else:
+            names += [hostvars.get("rdma_doca_profile", "doca-ofed")]
+            names += hostvars.get("rdma_doca_storage_packages", ["mlnx-nvme-dkms", "mlnx-fw-updater"])
         return names
     key = f"__{role}_packages"
     if key not in os_vars:
@@ -33,6 +37,23 @@ def package_pins_apt_show(text: str) -> dict:
     return out
 
 
+def package_pins_apt_simulated(text: str) -> dict:
+    """`apt-get --simulate install` output -> {package: version} of every package it would install
+    ("Inst NAME (VERSION RELEASE [ARCH])"; a "[OLD]" before the parenthesis is an upgrade)."""
+    out: dict = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[0] == "Inst":
+            version = next((p for p in parts[2:] if p.startswith("(")), "")[1:]
+            if version:
+                out[parts[1]] = version
+    return out
+
+
 class FilterModule:
     def filters(self):
-        return {"package_pins_role_packages": package_pins_role_packages, "package_pins_apt_show": package_pins_apt_show}
+        return {
+            "package_pins_role_packages": package_pins_role_packages,
+            "package_pins_apt_show": package_pins_apt_show,
+            "package_pins_apt_simulated": package_pins_apt_simulated,
+        }

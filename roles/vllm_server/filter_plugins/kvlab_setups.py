@@ -93,24 +93,37 @@ def _container():
     return container, setups
 
 
-def _mounts(spec: dict[str, Any], params: dict[str, Any], options: dict[str, Any]) -> list[Any]:
-    """What the process reads and writes on the node, bound at the same path: the model
-    read-only and the state folder (its working folder) read-write; each store, ExampleConnector
-    or LMCache folder read-write where its command line or environment names it (a bind's
-    source must exist: a setup that uses none needs none); then the site's own
-    (vllm_server_image_mounts)."""
-    container, _ = _container()
+def kvlab_setup_folders(spec: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """The one list of data folders a rendered process (a Deployment's engine or companion, as a
+    dict) reads and writes: each engine parameter that names a folder (kvlab's store paths, which
+    are also LMCache's L2 where kvlab serves it; ExampleConnector's folder; LMCache's disk, GDS and
+    MP fs L2 folder) where the process's command line or environment names it. A container binds
+    each, a unit requires the mount under each (RequiresMountsFor)."""
     named = json.dumps(spec)
     folders = [
         *params.get("kv_store_paths", ()),
         params.get("example_storage_path"),
         params.get("cache_server_l2_path"),
     ]
+    out: list[str] = []
+    for p in folders:
+        p = str(p or "").rstrip("/")
+        if p and p in named and p not in out:
+            out.append(p)
+    return out
+
+
+def _mounts(spec: dict[str, Any], params: dict[str, Any], options: dict[str, Any]) -> list[Any]:
+    """What the process reads and writes on the node, bound at the same path: the model
+    read-only and the state folder (its working folder) read-write; each data folder it names
+    (kvlab_setup_folders: a bind's source must exist, a setup that uses none needs none); then
+    the site's own (vllm_server_image_mounts)."""
+    container, _ = _container()
     mounts = [
         container.Mount(str(params["model"]), read_only=True),
         container.Mount(str(options["state_dir"])),
     ]
-    mounts += [container.Mount(str(p).rstrip("/")) for p in folders if p and str(p).rstrip("/") in named]
+    mounts += [container.Mount(p) for p in kvlab_setup_folders(spec, params)]
     for i, m in enumerate(options.get("mounts", [])):
         if not isinstance(m, dict) or not str(m.get("path", "")).startswith("/"):
             raise AnsibleFilterError(
@@ -159,6 +172,7 @@ class FilterModule:
             "kvlab_setup_render": kvlab_setup_render,
             "kvlab_setup_names": kvlab_setup_names,
             "kvlab_container_exec": kvlab_container_exec,
+            "kvlab_setup_folders": kvlab_setup_folders,
             "systemd_escape_arg": systemd_escape_arg,
             "systemd_exec": systemd_exec,
             "systemd_unit_safe": systemd_unit_safe,
