@@ -90,10 +90,17 @@ def test_native_multipath(host, inv):
 
 
 def test_reconnect_at_boot(host, inv):
-    assert host.service("nvmf-autoconnect").is_enabled
-    conf = host.file("/etc/nvme/discovery.conf").content_string
+    """The unit that connects at boot is enabled, and its configuration lists every subsystem at
+    every target address (a port missing there is a path a reboot loses)."""
+    assert host.service("kvlab-nvmeof-connect").is_enabled
+    assert not host.service("nvmf-autoconnect").is_enabled  # one unit connects
+    conf = host.file("/etc/nvme/config.json")
+    assert conf.mode == 0o600, oct(conf.mode)  # it holds the DH-HMAC-CHAP keys
+    listed = {(s["nqn"], p["transport"], p["traddr"]) for h in json.loads(host.check_output("cat /etc/nvme/config.json"))
+              for s in h["subsystems"] for p in s["ports"]}  # fmt: skip
     for t in inv["initiator_targets"]:
-        assert f"--transport={inv['initiator_transport']} --traddr={t['traddr']}" in conf
+        for nqn in t["subsystems"]:
+            assert (nqn, inv["initiator_transport"], t["traddr"]) in listed, (nqn, t["traddr"])
     assert host.file("/etc/nvme/hostnqn").content_string.strip() == inv["initiator_hostnqn"]
 
 

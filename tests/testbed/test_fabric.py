@@ -332,7 +332,7 @@ def test_fabric_cut_fails_io_within_timeouts(testbed, deployed):
 
 def test_reboot_reconnects_and_remounts(testbed, deployed):
     waited = testbed.node.reboot()
-    testbed.node.wait_for_unit("nvmf-autoconnect.service", timeout=120)
+    testbed.node.wait_for_unit("kvlab-nvmeof-connect.service", timeout=120)
     testbed.node.wait_until_succeeds(f"mountpoint -q {MOUNT}", timeout=120)
     ctrls = json.loads(testbed.node.succeed(
         "python3 -c 'import json,glob,os; print(json.dumps([{k: open(os.path.join(d,k)).read().strip() "

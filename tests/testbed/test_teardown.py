@@ -21,7 +21,8 @@ def test_storage_teardown_leaves_nothing_of_kvlabs_behind(testbed, deployed):
     testbed.node.fail(f"mountpoint -q {MOUNT}")
     testbed.node.fail(f"grep -qs ' {MOUNT} ' /etc/fstab")
     testbed.node.fail(f"grep -ls {STORE_NQN} /sys/class/nvme/nvme*/subsysnqn")
-    testbed.node.fail("test -e /etc/nvme/discovery.conf")
+    testbed.node.fail("test -e /etc/nvme/config.json")
+    testbed.node.fail("systemctl is-enabled --quiet kvlab-nvmeof-connect")
     subsystems = testbed.target.succeed("ls /sys/kernel/config/nvmet/subsystems").split()
     assert subsystems == [THEIRS], subsystems
     assert testbed.target.succeed("ls /sys/kernel/config/nvmet/ports").split() == []

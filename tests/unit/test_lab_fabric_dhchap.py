@@ -20,7 +20,7 @@ import pytest
 from test_lab_fabric_multipath import initiator, said
 from test_nvmet_apply import config, load, run
 from test_nvmet_seed import seed, validate
-from test_roles_plan import HOSTS, LAB, lab_plan, lab_rendered  # noqa: F401  (lab_plan: the lab's plan, rendered once)
+from test_roles_plan import HOSTS, LAB, lab_plan, lab_rendered, nvme_ports  # noqa: F401  (lab_plan: the lab's plan, rendered once)
 
 from kvlab import inventory
 
@@ -85,11 +85,11 @@ def validate_secret(secret: str) -> str:
 
 @pytest.mark.parametrize("host", HOSTS)
 def test_every_path_authenticates_both_ways_with_placeholders(lab_plan: Path, host: str) -> None:  # noqa: F811
-    text = (lab_plan / host / "etc/nvme/discovery.conf").read_text()
-    lines = [ln for ln in text.splitlines() if ln.startswith("--")]
-    assert lines
-    for ln in lines:
-        assert f" --dhchap-secret={PLACEHOLDER}" in ln and f" --dhchap-ctrl-secret={PLACEHOLDER}" in ln, ln
+    ports = nvme_ports(lab_plan / host)
+    assert ports
+    for p in ports:
+        assert p["dhchap_key"] == PLACEHOLDER and p["dhchap_ctrl_key"] == PLACEHOLDER, p["traddr"]
+        assert p["host"]["dhchap_key"] == PLACEHOLDER
 
 
 def test_every_allowed_host_has_both_keys_as_placeholders(lab_plan: Path) -> None:  # noqa: F811
@@ -207,8 +207,10 @@ def test_the_initiator_connects_with_both_secrets(tmp_path: Path) -> None:
     proc = initiator(tmp_path, "6.8.0-85-generic", nvmeof_initiator_dhchap_required=True,
                      nvmeof_initiator_dhchap_secret=dhhc(GOOD32), nvmeof_initiator_dhchap_ctrl_secret=dhhc(bytes(32)))  # fmt: skip
     assert proc.returncode == 0, said(proc)[-3000:]
-    text = (tmp_path / "plan/localhost/etc/nvme/discovery.conf").read_text()
-    assert text.count(f"--dhchap-secret={PLACEHOLDER} --dhchap-ctrl-secret={PLACEHOLDER}") == 2
+    ports = nvme_ports(tmp_path / "plan/localhost")
+    keys = [(p["dhchap_key"], p["dhchap_ctrl_key"]) for p in ports]
+    assert keys == [(PLACEHOLDER, PLACEHOLDER)] * 4  # 2 subsystems x 2 ports
+    text = (tmp_path / "plan/localhost/etc/nvme/config.json").read_text()
     assert dhhc(GOOD32).split(":")[2] not in said(proc) + text
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_roles_plan import HOSTS, exports, lab_plan  # noqa: F401  (lab_plan: the lab's plan, rendered once)
+from test_roles_plan import HOSTS, exports, lab_plan, nvme_ports  # noqa: F401  (lab_plan: the lab's plan, rendered once)
 
 from kvlab_connector.config import ConnectorConfig
 
@@ -54,16 +54,11 @@ def test_lab_spreads_io_over_every_port(lab_plan: Path, host: str) -> None:  # n
 
 @pytest.mark.parametrize("host", HOSTS)
 def test_lab_reconnects_forever_and_fails_io_in_seconds(lab_plan: Path, host: str) -> None:  # noqa: F811
-    lines = [
-        ln
-        for ln in (lab_plan / host / "etc/nvme/discovery.conf").read_text().splitlines()
-        if ln.startswith("--")
-    ]
-    assert len(lines) == 2  # both ports of the 800G variant
-    for ln in lines:
-        assert "--ctrl-loss-tmo=-1 " in ln, ln
-        fail = int(re.search(r"--fast_io_fail_tmo=(\d+)", ln).group(1))
-        assert 0 <= fail < LOAD_TIMEOUT_S, ln
+    ports = nvme_ports(lab_plan / host)
+    assert len({p["traddr"] for p in ports}) == 2  # both ports of the 800G variant
+    for p in ports:
+        assert p["ctrl_loss_tmo"] == -1, p["traddr"]
+        assert 0 <= p["fast_io_fail_tmo"] < LOAD_TIMEOUT_S, p["traddr"]
 
 
 # ---- the role alone, with what a node reports (connection local, rendered into a folder) ------
@@ -103,7 +98,8 @@ def test_the_policy_follows_the_kernel_and_paths_reconnect_forever(
     root = tmp_path / "plan/localhost"
     assert iopolicy_rules(root) == dict.fromkeys(SUBSYSTEMS, policy)
     assert f"iopolicy={policy}" in (root / "etc/modprobe.d/kvlab-nvme.conf").read_text()
-    assert (root / "etc/nvme/discovery.conf").read_text().count("--ctrl-loss-tmo=-1 ") == 2
+    # every subsystem at both addresses
+    assert [p["ctrl_loss_tmo"] for p in nvme_ports(root)] == [-1] * 2 * len(SUBSYSTEMS)
 
 
 @pytest.mark.parametrize(

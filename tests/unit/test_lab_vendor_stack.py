@@ -166,12 +166,8 @@ def test_dkms_status_is_asserted(tmp_path: Path) -> None:
 FIXTURE = ROOT / "tests/unit/apt-fixture"
 
 
-@pytest.mark.skipif(
-    shutil.which("apt-get") is None, reason="make pin's GPU flow runs apt-get; this machine has none"
-)
-def test_make_pin_resolves_the_gpu_sets_from_its_own_repository_set(tmp_path: Path) -> None:
-    """make pin's GPU play, run for real against a fixture index: the closure of every set at the
-    roles' pins (never the newer releases the index also offers), written as kvlab_apt_pins."""
+def gpu_pin_play(tmp_path: Path, extra: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    """make pin's GPU play, run locally for one GPU node with `extra` vars; the inventory folder."""
     inv = tmp_path / "inv"
     (inv / "group_vars/gpu_nodes").mkdir(parents=True)
     (inv / "hosts.yml").write_text("all:\n  children:\n    gpu_nodes:\n      hosts:\n        localhost:\n")
@@ -180,32 +176,47 @@ def test_make_pin_resolves_the_gpu_sets_from_its_own_repository_set(tmp_path: Pa
     assert gpu["vars"]["package_pins_scope"] == "gpu" and gpu["roles"] == ["package_pins"]
     pb = tmp_path / "pin.yml"
     pb.write_text(yaml.safe_dump([{**gpu, "become": False, "connection": "local"}]))
-    extra = {
-        "ansible_python_interpreter": sys.executable,
-        "nvidia_driver_version": "580.95.05",
-        "rdma_package_versions": {"doca-ofed": "3.1.0-091000"},
-        "package_pins_gpu_sources": [f"deb [trusted=yes] file:{FIXTURE} ./"],
-    }
     env = os.environ | {
         "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
         "ANSIBLE_NOCOLOR": "1",
         "ANSIBLE_ROLES_PATH": str(ROOT / "roles"),
     }
     proc = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("ansible-playbook")),
-            "-i",
-            str(inv / "hosts.yml"),
-            str(pb),
-            "-e",
-            json.dumps(extra),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-        stdin=subprocess.DEVNULL,
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", str(inv / "hosts.yml"), str(pb),
+         "-e", json.dumps({"ansible_python_interpreter": sys.executable, **extra})],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    return proc, inv
+
+
+def test_make_pin_skips_a_gpu_node_without_gpus_and_says_so(tmp_path: Path) -> None:
+    """The testbed's node is in gpu_nodes without a GPU (kvlab_gpus_expected false) and without
+    GPU repositories: make pin passes it by, naming why, and writes no GPU set for it."""
+    proc, inv = gpu_pin_play(tmp_path, {"kvlab_gpus_expected": False})
+    assert proc.returncode == 0, msg_of(proc)
+    assert "expects no GPU (kvlab_gpus_expected false)" in proc.stdout
+    assert not (inv / "group_vars/gpu_nodes/apt-pins.yml").exists()
+
+
+def test_make_pin_refuses_a_gpu_node_without_its_repository_set(tmp_path: Path) -> None:
+    proc, _ = gpu_pin_play(tmp_path, {"kvlab_gpus_expected": True})
+    assert proc.returncode != 0
+    assert "package_pins_gpu_sources is empty for localhost" in msg_of(proc)
+
+
+@pytest.mark.skipif(
+    shutil.which("apt-get") is None, reason="make pin's GPU flow runs apt-get; this machine has none"
+)
+def test_make_pin_resolves_the_gpu_sets_from_its_own_repository_set(tmp_path: Path) -> None:
+    """make pin's GPU play, run for real against a fixture index: the closure of every set at the
+    roles' pins (never the newer releases the index also offers), written as kvlab_apt_pins."""
+    proc, inv = gpu_pin_play(
+        tmp_path,
+        {
+            "nvidia_driver_version": "580.95.05",
+            "rdma_package_versions": {"doca-ofed": "3.1.0-091000"},
+            "package_pins_gpu_sources": [f"deb [trusted=yes] file:{FIXTURE} ./"],
+        },
     )
     assert proc.returncode == 0, msg_of(proc)
     pins = yaml.safe_load((inv / "group_vars/gpu_nodes/apt-pins.yml").read_text())["kvlab_apt_pins"]

@@ -53,6 +53,15 @@ def lab_rendered(host: str, *names: str) -> dict:
     return _lab_inventory[0].render(host, list(names))
 
 
+def nvme_ports(root: Path) -> list[dict]:
+    """Every port of a node's rendered /etc/nvme/config.json (libnvme's JSON configuration:
+    hosts, their subsystems, each subsystem's ports), with its subsystem's NQN and its host
+    beside it; the file must be what libnvme reads: a list of hosts."""
+    hosts = json.loads((root / "etc/nvme/config.json").read_text())
+    assert isinstance(hosts, list), "libnvme reads a list of hosts"
+    return [{**p, "nqn": s["nqn"], "host": h} for h in hosts for s in h["subsystems"] for p in s["ports"]]
+
+
 def store_paths(host: str) -> list[str]:
     """The store paths the lab inventory gives a host (they derive from the node's NVMe-oF
     mounts, which derive from the storage exports)."""
@@ -331,13 +340,15 @@ def test_node_discovers_connects_and_mounts_its_namespaces(lab_plan: Path, host:
     v = lab_rendered(host, "nvmeof_initiator_hostnqn", "nvmeof_initiator_hostid")
     assert (root / "etc/nvme/hostnqn").read_text().strip() == v["nvmeof_initiator_hostnqn"]
     assert (root / "etc/nvme/hostid").read_text().strip() == v["nvmeof_initiator_hostid"]
-    lines = [ln for ln in (root / "etc/nvme/discovery.conf").read_text().splitlines() if ln.startswith("--")]
-    assert [re.search(r"--traddr=(\S+)", ln).group(1) for ln in lines] == ["192.168.100.31", "192.168.101.31"]
-    for ln in lines:
-        assert "--transport=rdma" in ln and f"--hostnqn={v['nvmeof_initiator_hostnqn']}" in ln
-        assert "--ctrl-loss-tmo=-1" in ln and "--fast_io_fail_tmo=5" in ln  # reconnect forever, fail I/O fast
+    ports = nvme_ports(root)
+    assert sorted({p["traddr"] for p in ports}) == ["192.168.100.31", "192.168.101.31"]
+    for p in ports:
+        assert p["transport"] == "rdma" and p["host"]["hostnqn"] == v["nvmeof_initiator_hostnqn"]
+        assert p["ctrl_loss_tmo"] == -1 and p["fast_io_fail_tmo"] == 5  # reconnect forever, fail I/O fast
     assert (root / "etc/modules-load.d/kvlab-nvmeof.conf").read_text().strip().endswith("nvme-rdma")
-    assert "After=network-online.target" in (root / "etc/systemd/system/nvmf-autoconnect.service.d/kvlab.conf").read_text()
+    unit = (root / "etc/systemd/system/kvlab-nvmeof-connect.service").read_text()
+    assert "After=network-online.target" in unit and "Before=remote-fs-pre.target" in unit
+    assert "ExecStart=/usr/sbin/nvme connect --config /etc/nvme/config.json" in unit
     [mine] = [e for e in exports() if e["node"] == host]
     fstab = [ln.split() for ln in (root / "etc/fstab").read_text().splitlines() if ln.strip()]
     assert [(f[0], f[1], f[2]) for f in fstab] == [
@@ -375,6 +386,6 @@ def test_roce_ports_and_qos_follow_the_wired_variant(lab_plan: Path, host: str) 
 def test_every_gpu_node_has_its_storage_gpu_and_serving_files(lab_plan: Path) -> None:
     for host in HOSTS:
         root = lab_plan / host
-        for rel in ("etc/nvme/discovery.conf", "etc/fstab", "usr/local/sbin/kvlab-roce-lossless", "etc/cufile.json",
+        for rel in ("etc/nvme/config.json", "etc/fstab", "usr/local/sbin/kvlab-roce-lossless", "etc/cufile.json",
                     "etc/systemd/system/kvlab-vllm-kvlab.service"):  # fmt: skip
             assert (root / rel).is_file(), f"{host}: no {rel} in the plan"
