@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvlab.harness import campaign, results
+from kvlab.harness.compiler import run_campaign
 from kvlab.harness.report import render_run
-from kvlab.harness.runner import run_campaign
 from kvlab.harness.summary import Summary, validate
 
 ROOT = Path(__file__).resolve().parents[2]

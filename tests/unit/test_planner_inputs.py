@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.harness.campaign import CampaignError, load, parse
-from kvlab.harness.plan import cost_model, kv_bytes_per_token
+from kvlab.harness.compiler import cost_model, kv_bytes_per_token
 from kvlab.harness.runner import drive_limit
 from kvlab.planner.calibrate import geometry_of
 

@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kvlab.harness.campaign_base import CampaignError, FileField, Strict, resolve_file
-from kvlab.harness.sessions import AgentSource, agent_max_prompt_tokens, sha256_file
+from kvlab.harness.campaign_sources import AgentSource
+from kvlab.harness.sessions import agent_max_prompt_tokens, sha256_file
 from kvlab.setups import registry as setups
 
 __all__ = ["Campaign", "CampaignError", "FileRef", "load", "parse", "resolve_file", "shipment"]
@@ -241,7 +242,7 @@ class Campaign(Strict):
         if s.sweep:
             n = max(n, *s.sweep.lengths)
         if s.agents:
-            n = max(n, agent_max_prompt_tokens(s.agents.source, base))
+            n = max(n, agent_max_prompt_tokens(s.agents.source.spec(base)))
         return n
 
 
