@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from kvlab.harness.campaign import Campaign, CampaignError
 from kvlab.harness.memory import MemorySampler
 from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, lives_of, plan
 from kvlab.harness.sessions import sha256_file, workload
+from kvlab.harness.wear import WearSampler, drives_record
 from kvlab.net import free_port
 from kvlab.paths import state_dir
 from kvlab.setups import registry as setups
@@ -166,6 +168,9 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
     writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
     results.point_latest(runs_dir, run_id)
     writer.append(drive_limit(work_root))
+    drives = drives_record(c.drives.drives() if c.drives else None)
+    if drives:
+        writer.append(drives)
     steps = [s for p in plans if p.runs for s in p.steps]
     progress = Progress(steps)
     note(f"run {run_id}: {len(steps)} steps, estimate ~{fmt_s(progress.total_est)}; results in {writer.dir}")
@@ -232,6 +237,15 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
 
         target = scenarios.Target(p.setup, server, served, cm_url, writer.append, note,
                                   lambda ph, s=sampler: setattr(s, "phase", ph))
+        # Bytes written to drives, sampled at each scenario's start and end and around restarts.
+        wear = WearSampler(p.setup, setups.get(p.setup).drive_tier, kv_bytes_per_token(c), server.pids,
+                           target.counters, target.connector_metrics, writer.append)
+        target.before_stop = wear.pause
+
+        def restart_counted(restart: Callable[[], float] = restart, wear: WearSampler = wear) -> float:
+            s = restart()
+            wear.resume()
+            return s
         try:
             progress.advance(p.setup, f"engine start (prefix caching {'on' if prefix_caching else 'off'})")
             if sc.restore and "restore" in names and sc.restore.drop_page_cache:  # a cold first start too
@@ -245,17 +259,23 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
                 for name in names:
                     if name == "restore":
                         assert sc.restore
-                        scenarios.restore(target, sc.restore, c.seed, restart,
+                        wear.open("restore")
+                        scenarios.restore(target, sc.restore, c.seed, restart_counted,
                                           lambda w: progress.advance(p.setup, w))
+                        wear.close()
                     elif name == "sweep":
                         assert sc.sweep
+                        wear.open("sweep")
                         scenarios.sweep(target, sc.sweep, c.seed, lambda w: progress.advance(p.setup, w))
+                        wear.close()
                     elif name == "agents":
                         assert sc.agents
                         for n in sc.agents.concurrency:
                             progress.advance(p.setup, f"agents: N={n}")
                             wl = workload(sc.agents.source, n, c.seed, f"agents-{n}", base)
+                            wear.open("agents", concurrency=n)
                             scenarios.agents(target, sc.agents, n, wl)
+                            wear.close()
                 if mode is None:  # a connector may serve its metrics only once it has done I/O
                     mode = target.io_mode()
                     if mode is not None:
