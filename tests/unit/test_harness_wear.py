@@ -218,7 +218,8 @@ def test_kvlab_counts_across_a_restart() -> None:
     recs = [
         sample("open", 0.0, written=100, read=0, hits=0, drives={"/d0": 50, "/d1": 50}),
         sample("close", 10.0, written=1100, read=400, hits=0, drives={"/d0": 550, "/d1": 550}),
-        sample("open", 25.0, written=0, read=0, hits=0, drives={}),  # the new engine life
+        # the new engine life, its connector not serving yet: a fresh process counts from 0
+        sample("open", 25.0, written=None, read=None, hits=None, drives={}, after_start=True),
         sample("close", 30.0, written=200, read=600, hits=0, drives={"/d0": 100, "/d1": 100}),
         sample("open", 40.0, scenario="sweep", written=200, read=600, hits=0),
         sample("open", 41.0, scenario="agents", concurrency=4, written=200, read=600, hits=0),  # never closed
@@ -258,6 +259,32 @@ def test_files_count_every_process_of_the_trees() -> None:
     assert f["restored_bytes"] == 20 * 1000  # hit tokens x KV bytes per token
     assert f["written_over_restored"] == pytest.approx(2300 / 20000)
     assert f["drive_writes_per_day"] is None and f["rated_life_years"] is None  # no drives declared
+
+
+def test_a_child_reaped_between_samples_is_not_counted_twice() -> None:
+    """The kernel adds a reaped child's counts to its parent's: what the child had written
+    before the first sample must not count again through the parent."""
+    a = {"engine": {"10": {"write_bytes": 100}, "11": {"write_bytes": 5000}}}
+    b = {"engine": {"10": {"write_bytes": 100 + 5000 + 300}}}  # 11 wrote 300 more, then was reaped by 10
+    assert counted.io_delta(b, a, "write") == 300
+
+
+def test_a_real_reaped_child_moves_its_writes_to_its_parent(tmp_path: Path) -> None:
+    """What the rule above rests on, checked on this kernel: a child that wrote and was reaped."""
+    before = counted.proc_io(os.getpid())["write_bytes"]
+    subprocess.run(
+        [sys.executable, "-c", WRITER, str(tmp_path / "f"), str(MiB)],
+        input="go\n\n",
+        text=True,
+        check=True,
+        capture_output=True,
+    )
+    assert counted.proc_io(os.getpid())["write_bytes"] - before >= MiB
+
+
+def test_an_unreadable_tree_is_an_error() -> None:
+    with pytest.raises(OSError, match="process tree of"):
+        counted.tree_io(2**22 + 12345)  # above pid_max's default: no such process
 
 
 def test_unreadable_processes_are_not_counted_as_zero() -> None:

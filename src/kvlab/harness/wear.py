@@ -43,13 +43,13 @@ def proc_io(pid: int, proc: Path = Path("/proc")) -> dict[str, int]:
 
 
 def tree_io(pid: int) -> dict[str, dict[str, int]]:
-    """/proc/PID/io of a process and every descendant, by PID (as a JSON key); a process that
-    ended while it was read is left out."""
+    """/proc/PID/io of a process and every descendant, by PID (as a JSON key); a descendant
+    that ended while it was read is left out. OSError where the tree cannot be read."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return {}
+    except psutil.Error as e:
+        raise OSError(f"process tree of {pid}: {type(e).__name__}") from e
     out = {}
     for p in procs:
         try:
@@ -104,10 +104,10 @@ class WearSampler:
 
     def resume(self) -> None:
         if self._open is not None and not self._running:
-            self._sample("open")
+            self._sample("open", after_start=True)
             self._running = True
 
-    def _sample(self, mark: str) -> None:
+    def _sample(self, mark: str, after_start: bool = False) -> None:
         assert self._open is not None
         c = self.counters()
         rec: dict[str, Any] = {
@@ -125,6 +125,7 @@ class WearSampler:
             if self.drive_tier == "kvlab"
             else {},
             "io": {},
+            **({"after_start": True} if after_start else {}),
         }
         errors = []
         for role, pid in self.pids().items():
@@ -159,15 +160,20 @@ def _io_written(io: dict[str, int]) -> int:
 def io_delta(
     after: dict[str, dict[str, dict[str, int]]], before: dict[str, dict[str, dict[str, int]]], key: str
 ) -> float:
-    """Bytes the processes of both samples' trees gained in `key` (write: written less cancelled):
-    a process born in between counts from zero."""
+    """Bytes the processes of the trees gained in `key` (write: written less cancelled) between
+    two samples. A process born in between counts from zero; one that ended in between had its
+    counts added to its parent's when it was reaped (the kernel does), so what it had at the
+    first sample is taken off again."""
+
+    def of(io: dict[str, int]) -> int:
+        return _io_written(io) if key == "write" else io.get(key, 0)
+
     total = 0.0
     for role, procs in after.items():
+        was = before.get(role, {})
         for pid, io in procs.items():
-            prev = before.get(role, {}).get(pid)
-            now = _io_written(io) if key == "write" else io.get(key, 0)
-            was = (_io_written(prev) if key == "write" else prev.get(key, 0)) if prev else 0
-            total += _grew(now, was) or 0
+            total += _grew(of(io), of(was[pid]) if pid in was else 0) or 0
+        total -= sum(of(io) for pid, io in was.items() if pid not in procs)
     return total
 
 
@@ -191,7 +197,9 @@ class Counted:
         self.first_t = a["t"] if self.first_t is None else min(self.first_t, a["t"])
         self.last_t = b["t"] if self.last_t is None else max(self.last_t, b["t"])
         self.kv_bytes_per_token = b.get("kv_bytes_per_token")
-        ca, cb = a.get("counters") or {}, b.get("counters") or {}
+        ca, cb = dict(a.get("counters") or {}), b.get("counters") or {}
+        if a.get("after_start"):  # a fresh engine's counters are 0, served yet or not
+            ca = {k: 0.0 if v is None else v for k, v in ca.items()}
         for attr, key in (
             ("kvlab_written", "connector_written_bytes"),
             ("kvlab_read", "connector_read_bytes"),
