@@ -171,6 +171,7 @@ def compile_campaign(c: Campaign, base: Path | None = None) -> Plan:
         variants=tuple(v.name for v in c.variants),
         cost_model="CPU" if c.device == "cpu" else "GPU",
         setups=tuple(out),
+        drives=c.drives.drives() if c.drives else None,
     )
 
 

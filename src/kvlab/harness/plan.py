@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvlab.harness.sessions import WorkloadSpec
+from kvlab.wear import Drives
 
 SCHEMA = "kvlab.plan/1"
 
@@ -147,6 +148,7 @@ class Plan:
     variants: tuple[str, ...]
     cost_model: str
     setups: tuple[SetupPlan, ...]
+    drives: Drives | None = None  # the drives the tiers write to (the report's wear projection)
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -286,6 +288,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "files": [str(f) for f in plan.files],
         "variants": list(plan.variants),
         "cost_model": plan.cost_model,
+        "drives": _json(plan.drives),
         "estimate_s": total_estimate(plan),
         "setups": [
             {"setup": p.setup, "runs": p.runs, "reason": p.reason, "lives": [life(x) for x in p.lives]}

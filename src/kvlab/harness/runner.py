@@ -19,6 +19,7 @@ from kvlab.harness.memory import MemorySampler
 from kvlab.harness.plan import EngineSpec, Life, ModelPlan, Plan, RestoreSpec, SetupPlan, fmt_s, plan_json
 from kvlab.harness.progress import Progress, note
 from kvlab.harness.sessions import sha256_file
+from kvlab.harness.wear import WearSampler, drives_record
 from kvlab.net import free_port
 from kvlab.paths import state_dir
 from kvlab.setups import registry as setups
@@ -123,6 +124,9 @@ def run_plan(plan: Plan, campaign_path: Path, campaign_sha: str, runs_dir: Path,
     writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
     results.point_latest(runs_dir, run_id)
     writer.append(drive_limit(work_root))
+    drives = drives_record(plan.drives)
+    if drives:
+        writer.append(drives)
     progress = Progress(plan.steps)
     note(f"run {run_id}: {len(plan.steps)} steps, estimate ~{fmt_s(progress.total_est)}; results in {writer.dir}")
     try:
@@ -195,6 +199,15 @@ def run_life(plan: Plan, life: Life, model: Path, served: str, work: Path, write
 
     target = scenarios.Target(setup, server, served, cm_url, writer.append, note,
                               lambda ph: setattr(sampler, "phase", ph))
+    # Bytes written to drives, sampled at each scenario's start and end and around restarts.
+    wear = WearSampler(setup, setups.get(setup).drive_tier, plan.model.kv_bytes_per_token, server.pids,
+                       target.counters, target.connector_metrics, writer.append)
+    target.before_stop = wear.pause
+
+    def restart_counted() -> float:
+        s = restart()
+        wear.resume()
+        return s
     start, *steps, stop = life.steps
     assert start.kind == "engine-start" and stop.kind == "engine-stop", "a life starts and stops its engine"
     try:
@@ -208,9 +221,17 @@ def run_life(plan: Plan, life: Life, model: Path, served: str, work: Path, write
             writer.append({"kind": "io_mode", "setup": setup, "io_mode": mode})
             # What the block-aligned hit shares round to (vLLM's CacheConfig, as served).
             writer.append({"kind": "engine_config", "setup": setup, "block_size": target.block_size()})
+            unit: tuple[str | None, int | None] | None = None  # what wear counts apart: a scenario, each agents N
             for step in steps:
                 progress.advance(step)
-                scenarios.run_step(target, step, plan.seed, restart)
+                if (key := (step.scenario, step.arg if step.kind == "agents" else None)) != unit:
+                    if unit is not None:
+                        wear.close()
+                    wear.open(step.scenario or "", **({"concurrency": step.arg} if step.kind == "agents" else {}))
+                    unit = key
+                scenarios.run_step(target, step, plan.seed, restart_counted)
+            if unit is not None:
+                wear.close()
             if mode is None:  # a connector may serve its metrics only once it has done I/O
                 mode = target.io_mode()
                 if mode is not None:

@@ -66,6 +66,9 @@ class Target:
     note: Note
     set_phase: Callable[[str], None]
     _drop_refusals: set[str] = field(default_factory=set)
+    # Called before a scenario stops the engine (restart): the last moment its counters and
+    # processes can be read (the wear sampler's pause).
+    before_stop: Callable[[], None] = lambda: None
 
     def counters(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -314,6 +317,7 @@ def restart_with_drop(t: Target, restart: Callable[[], float], drop: bool) -> tu
     """Restart the engine; with drop, the page cache is dropped while it is down. The start's
     seconds, and why the drop was refused (None: dropped, or not asked)."""
     server = t.server
+    t.before_stop()
     server.engine.stop()
     if server.companion and not server.deployment.companion_survives_engine_restart:
         server.companion.stop()
