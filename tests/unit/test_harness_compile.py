@@ -153,8 +153,8 @@ class FakeServer:
     def stop(self) -> None:
         pass
 
-    def pids(self) -> list[int]:
-        return []
+    def pids(self) -> dict[str, int | None]:
+        return {"engine": None, "cache_server": None}
 
     def memory(self) -> dict[str, Any]:
         return {"engine": None}
@@ -231,7 +231,7 @@ def test_the_runner_walks_exactly_the_plans_lives_and_steps(
     assert [x for i, x in enumerate(seen) if i == 0 or seen[i - 1] != x] == list(life.scenarios)
     recompute = [r for r in records if r.get("phase") == "recompute"]
     assert len(recompute) == (restore.recompute_prompts if setup == "baseline" else 0)  # type: ignore[union-attr]
-    sweep = [r["length"] for r in records if r.get("scenario") == "sweep"]
+    sweep = [r["length"] for r in records if r.get("kind") == "request" and r.get("scenario") == "sweep"]
     assert sweep == [n for s in life.steps if s.kind == "sweep" for n in [s.arg] * s.spec.rounds]  # type: ignore[union-attr]
     assert [r["concurrency"] for r in records if r.get("kind") == "step"] == [1, 2]
 
