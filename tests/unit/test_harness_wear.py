@@ -505,3 +505,12 @@ def test_the_runner_samples_every_scenario_and_engine_life(
         assert cnt.kvlab_written == requests[key] * 1000.0, key
         assert cnt.drive_written == {"/d0": requests[key] * 1000.0}, key
         assert cnt.process_written is not None, key  # this process's /proc/PID/io, read for real
+
+
+def test_every_wear_field_is_documented() -> None:
+    from kvlab.harness.summary import DrivesDeclared, WearPoint
+
+    doc = (ROOT / "docs/results-schema.md").read_text()
+    assert "kvlab.summary/4" in doc
+    missing = [f for m in (WearPoint, DrivesDeclared) for f in m.model_fields if f'"{f}"' not in doc]
+    assert missing == []
