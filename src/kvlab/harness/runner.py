@@ -259,23 +259,20 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
                 for name in names:
                     if name == "restore":
                         assert sc.restore
-                        wear.open("restore")
-                        scenarios.restore(target, sc.restore, c.seed, restart_counted,
-                                          lambda w: progress.advance(p.setup, w))
-                        wear.close()
+                        with wear.scenario("restore"):
+                            scenarios.restore(target, sc.restore, c.seed, restart_counted,
+                                              lambda w: progress.advance(p.setup, w))
                     elif name == "sweep":
                         assert sc.sweep
-                        wear.open("sweep")
-                        scenarios.sweep(target, sc.sweep, c.seed, lambda w: progress.advance(p.setup, w))
-                        wear.close()
+                        with wear.scenario("sweep"):
+                            scenarios.sweep(target, sc.sweep, c.seed, lambda w: progress.advance(p.setup, w))
                     elif name == "agents":
                         assert sc.agents
                         for n in sc.agents.concurrency:
                             progress.advance(p.setup, f"agents: N={n}")
                             wl = workload(sc.agents.source, n, c.seed, f"agents-{n}", base)
-                            wear.open("agents", concurrency=n)
-                            scenarios.agents(target, sc.agents, n, wl)
-                            wear.close()
+                            with wear.scenario("agents", concurrency=n):
+                                scenarios.agents(target, sc.agents, n, wl)
                 if mode is None:  # a connector may serve its metrics only once it has done I/O
                     mode = target.io_mode()
                     if mode is not None:
