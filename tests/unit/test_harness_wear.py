@@ -514,13 +514,3 @@ def test_every_wear_field_is_documented() -> None:
     assert "kvlab.summary/4" in doc
     missing = [f for m in (WearPoint, DrivesDeclared) for f in m.model_fields if f'"{f}"' not in doc]
     assert missing == []
-
-
-def test_a_scenario_that_fails_leaves_its_segment_uncounted() -> None:
-    recs: list[dict] = []
-    s = counted.WearSampler(
-        "kvlab", "kvlab", 1024, dict, lambda: {"connector_written_bytes": 0.0}, dict, recs.append
-    )
-    with pytest.raises(RuntimeError), s.scenario("sweep"):
-        raise RuntimeError("the engine died")
-    assert [r["mark"] for r in recs] == ["open"] and counted.count(recs) == {}

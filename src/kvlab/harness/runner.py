@@ -259,20 +259,23 @@ def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, m
                 for name in names:
                     if name == "restore":
                         assert sc.restore
-                        with wear.scenario("restore"):
-                            scenarios.restore(target, sc.restore, c.seed, restart_counted,
-                                              lambda w: progress.advance(p.setup, w))
+                        wear.open("restore")
+                        scenarios.restore(target, sc.restore, c.seed, restart_counted,
+                                          lambda w: progress.advance(p.setup, w))
+                        wear.close()
                     elif name == "sweep":
                         assert sc.sweep
-                        with wear.scenario("sweep"):
-                            scenarios.sweep(target, sc.sweep, c.seed, lambda w: progress.advance(p.setup, w))
+                        wear.open("sweep")
+                        scenarios.sweep(target, sc.sweep, c.seed, lambda w: progress.advance(p.setup, w))
+                        wear.close()
                     elif name == "agents":
                         assert sc.agents
                         for n in sc.agents.concurrency:
                             progress.advance(p.setup, f"agents: N={n}")
                             wl = workload(sc.agents.source, n, c.seed, f"agents-{n}", base)
-                            with wear.scenario("agents", concurrency=n):
-                                scenarios.agents(target, sc.agents, n, wl)
+                            wear.open("agents", concurrency=n)
+                            scenarios.agents(target, sc.agents, n, wl)
+                            wear.close()
                 if mode is None:  # a connector may serve its metrics only once it has done I/O
                     mode = target.io_mode()
                     if mode is not None:

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,14 +86,6 @@ class WearSampler:
     sink: Sink
     _open: dict[str, Any] | None = field(default=None, init=False)
     _running: bool = field(default=False, init=False)
-
-    @contextmanager
-    def scenario(self, scenario: str, **labels: Any) -> Iterator[None]:
-        """open() .. close() around a scenario; no close where it raised (its engine failed:
-        that segment is not counted)."""
-        self.open(scenario, **labels)
-        yield
-        self.close()
 
     def open(self, scenario: str, **labels: Any) -> None:
         self._open = {"scenario": scenario, **labels}
