@@ -406,3 +406,114 @@ def test_a_restore_with_restarts_counts_every_engine_life(monkeypatch: pytest.Mo
     requests = sum(1 for r in recs if r.get("kind") == "request")  # warm-ups included: each one saves
     c = counted.count([r for r in recs if r.get("kind") == "wear_sample"])["restore"]
     assert c.segments == 3 and c.kvlab_written == requests * 1000.0
+
+
+# ---- the runner's wiring ---------------------------------------------------------------------
+class CountingServer:
+    """An engine as the runner drives it: every answered request saves 1000 bytes on one
+    drive; a stop ends the process, so its counters start again. Its PID is this process's, so
+    the /proc/PID/io read is real."""
+
+    def __init__(self, deployment: setups.Deployment, life: dict[str, float]) -> None:
+        from test_harness_fair import FakeEngineProc
+
+        self.deployment, self.life = deployment, life
+        self.base_url, self.companion = "http://fake", None
+        self.engine = FakeEngineProc()
+        self.engine.stop = self.stop  # type: ignore[method-assign]
+
+    def start(self, progress: bool = False) -> float:
+        self.life["starts"] += 1
+        return 1.0
+
+    def stop(self) -> None:
+        self.life["written"] = 0.0
+
+    def pids(self) -> dict[str, int | None]:
+        return {"engine": os.getpid(), "cache_server": None}
+
+    def memory(self) -> dict[str, None]:
+        return {"engine": None, "cache_server": None}
+
+    def metrics(self) -> dict[str, float]:
+        return {'vllm:cache_config_info{block_size="128"}': 1.0}
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+
+def test_the_runner_samples_every_scenario_and_engine_life(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_harness_fair import FakeEngine
+
+    from kvlab.harness import runner, scenarios
+    from kvlab.harness.plan import plan
+
+    life = {"written": 0.0, "starts": 0}
+    fake = FakeEngine()
+
+    def complete(*a: object, **kw: object) -> object:
+        life["written"] += 1000.0
+        return fake(*a, **kw)  # type: ignore[arg-type]
+
+    def connector_metrics(self: scenarios.Target) -> dict[str, float]:
+        return {
+            "kvlab_written_bytes_total": life["written"],
+            'kvlab_drive_written_bytes_total{drive="/d0"}': life["written"],
+            "kvlab_read_bytes_total": 0.0,
+        }
+
+    monkeypatch.setattr(scenarios, "complete", complete)
+    monkeypatch.setattr(scenarios.time, "sleep", lambda s: None)
+    monkeypatch.setattr(scenarios, "drop_page_cache", lambda: None)
+    monkeypatch.setattr(scenarios.Target, "connector_metrics", connector_metrics)
+
+    class Engines(runner.LocalEngines):
+        def server(self, deployment: setups.Deployment, log_dir: Path) -> CountingServer:  # type: ignore[override]
+            return CountingServer(deployment, life)
+
+    path = ROOT / "campaigns/ci-small.yml"
+    c, _ = campaign.load(path)
+    p = next(x for x in plan(c, path.parent) if x.setup == "kvlab")
+    w = results.RunWriter(tmp_path / "runs", "r1")
+    runner.run_setup(
+        c,
+        p,
+        tmp_path / "model",
+        "tiny",
+        tmp_path / "work",
+        4096,
+        w,
+        runner.Progress(list(p.steps)),
+        path.parent,
+        Engines(),
+    )
+    w.close()
+    recs = [json.loads(line) for line in (tmp_path / "runs/r1" / results.RECORDS).read_text().splitlines()]
+    assert c.scenarios.restore and c.scenarios.agents
+    assert not [r for r in recs if r["kind"] == "error"]
+    samples = [r for r in recs if r["kind"] == "wear_sample"]
+    counts = counted.count(samples)
+    assert set(counts) == {"restore", "sweep", *(f"agents:{n}" for n in c.scenarios.agents.concurrency)}
+    assert counts["restore"].segments == c.scenarios.restore.restart_repeats + 1
+    assert life["starts"] == len(p.lives) + c.scenarios.restore.restart_repeats
+    # every request of a scenario, and nothing else, counted in it (1000 bytes each)
+    requests: dict[str, int] = {}
+    for r in recs:
+        if r["kind"] == "request":
+            key = counted.scenario_key(r)
+            requests[key] = requests.get(key, 0) + 1
+    for key, cnt in counts.items():
+        assert cnt.kvlab_written == requests[key] * 1000.0, key
+        assert cnt.drive_written == {"/d0": requests[key] * 1000.0}, key
+        assert cnt.process_written is not None, key  # this process's /proc/PID/io, read for real
+
+
+def test_every_wear_field_is_documented() -> None:
+    from kvlab.harness.summary import DrivesDeclared, WearPoint
+
+    doc = (ROOT / "docs/results-schema.md").read_text()
+    assert "kvlab.summary/4" in doc
+    missing = [f for m in (WearPoint, DrivesDeclared) for f in m.model_fields if f'"{f}"' not in doc]
+    assert missing == []
