@@ -448,7 +448,7 @@ def test_the_runner_samples_every_scenario_and_engine_life(
     from test_harness_fair import FakeEngine
 
     from kvlab.harness import runner, scenarios
-    from kvlab.harness.plan import plan
+    from kvlab.harness.compiler import compile_campaign
 
     life = {"written": 0.0, "starts": 0}
     fake = FakeEngine()
@@ -475,18 +475,17 @@ def test_the_runner_samples_every_scenario_and_engine_life(
 
     path = ROOT / "campaigns/ci-small.yml"
     c, _ = campaign.load(path)
-    p = next(x for x in plan(c, path.parent) if x.setup == "kvlab")
+    compiled = compile_campaign(c, path.parent)
+    p = next(x for x in compiled.setups if x.setup == "kvlab")
     w = results.RunWriter(tmp_path / "runs", "r1")
     runner.run_setup(
-        c,
+        compiled,
         p,
         tmp_path / "model",
         "tiny",
         tmp_path / "work",
-        4096,
         w,
         runner.Progress(list(p.steps)),
-        path.parent,
         Engines(),
     )
     w.close()
