@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvlab.bench import cachebw
 from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness import results, scenarios
 from kvlab.harness.campaign import Campaign, CampaignError
@@ -166,6 +167,7 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
     writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
     results.point_latest(runs_dir, run_id)
     writer.append(drive_limit(work_root))
+    writer.append(cachebw.cache_limit())  # the host's LLC and its read rates: the planner's CPU input
     steps = [s for p in plans if p.runs for s in p.steps]
     progress = Progress(steps)
     note(f"run {run_id}: {len(steps)} steps, estimate ~{fmt_s(progress.total_est)}; results in {writer.dir}")

@@ -2,7 +2,9 @@
 setup and length.
 
 Physical inputs come from the run, never from the fit: the model's geometry (provenance),
-the drive's fio limit on the stores' filesystem (a `drive_limit` record). Free constants:
+the drive's fio limit on the stores' filesystem (a `drive_limit` record), a CPU node's LLC and
+its read rates (a `cache_limit` record: the prefill's KV reads beyond the LLC, recompute.py).
+Free constants:
 - the prefill curve (fixed cost, per-token cost, effective FLOP/s) on the recompute
   setup's requests (no cache: baseline) and the restore scenario's recompute reference;
 - per setup and tier (the sweep's hits; the restore's warm and restart restores): a fixed
@@ -27,7 +29,7 @@ import yaml
 from kvlab.planner.fit import nnls, relative_interval
 from kvlab.planner.geometry import Geometry
 from kvlab.planner.presets import tiny_geometry
-from kvlab.planner.recompute import PrefillCurve
+from kvlab.planner.recompute import CacheLimit, PrefillCurve
 from kvlab.planner.restore import overlap
 
 
@@ -178,7 +180,24 @@ def _means(ps: list[Point]) -> list[tuple[int, int, float, list[float]]]:
     return out
 
 
-def fit_prefill(g: Geometry, ps: list[Point], source: str) -> tuple[PrefillCurve, tuple[float, float] | None]:
+def cache_limit_of(records: list[dict[str, Any]]) -> CacheLimit | None:
+    """The run's measured caches (None: no `cache_limit` record, or one that could not measure)."""
+    r = next((r for r in records if r.get("kind") == "cache_limit"), None)
+    if not r or r.get("error") or not r.get("llc_gbps") or not r.get("dram_gbps"):
+        return None
+    return CacheLimit(
+        int(r.get("effective_llc_bytes") or r["llc_bytes"]),
+        float(r["llc_gbps"]),
+        float(r["dram_gbps"]),
+        int(r.get("l2_bytes") or 1 << 20),
+    )
+
+
+def fit_prefill(
+    g: Geometry, ps: list[Point], source: str, memory: CacheLimit | None = None
+) -> tuple[PrefillCurve, tuple[float, float] | None]:
+    """Fixed, per-token and FLOP/s on the recompute points; the DRAM reads beyond the LLC are
+    physics (measured rates), taken off each point before the fit, never fitted."""
     means = _means(ps)
     if not means:
         raise CalibrationError(
@@ -186,9 +205,13 @@ def fit_prefill(g: Geometry, ps: list[Point], source: str) -> tuple[PrefillCurve
             "e.g. baseline, in the sweep or the restore's recompute reference)"
         )
     rows = [[1.0, float(n), g.prefill_flops(n)] for n, _, _, _ in means]
-    fixed, per_token, inv_rate = nnls(rows, [t for *_, t, _ in means], [1 / t**2 for *_, t, _ in means])
+    mem = memory.memory_s if memory else (lambda g, n, start=0: 0.0)
+    y = [t - mem(g, n) for n, _, t, _ in means]
+    fixed, per_token, inv_rate = nnls(rows, y, [1 / t**2 for *_, t, _ in means])
     # no attention measured (too few lengths): every second of work is per-token
-    curve = PrefillCurve(1 / inv_rate if inv_rate > 0 else math.inf, per_token, fixed, f"fitted on {source}")
+    curve = PrefillCurve(
+        1 / inv_rate if inv_rate > 0 else math.inf, per_token, fixed, f"fitted on {source}", memory
+    )
     pred = [curve.time(g, p.tokens) for p in ps]
     return curve, relative_interval(pred, [p.ttft_s for p in ps])
 
@@ -250,7 +273,7 @@ def calibrate_records(
     pre = [p for p in ps if p.setup in recompute or p.tier == "recompute"]
     if not pre:  # no setup without a cache: every full compute the run timed, first rounds too
         pre = [p for p in points(records, None) if p.cached == 0]
-    curve, interval = fit_prefill(g, pre, run)
+    curve, interval = fit_prefill(g, pre, run, cache_limit_of(records))
     drive = next((r.get("read_gbps") for r in records if r.get("kind") == "drive_limit"), None)
     cal = Calibration(run, g, g.kv_bytes_per_token(), drive, curve, interval, len(pre), recompute)
     groups: dict[tuple[str, str], list[Point]] = defaultdict(list)

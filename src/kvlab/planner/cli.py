@@ -132,6 +132,10 @@ def _calibrated(args: argparse.Namespace) -> int:
             f"prefill {cal.prefill.source}, {cal.prefill_points} requests)",
         )
     )
+    print(f"  prefill regime: {cal.prefill.regime()}")
+    if cal.prefill.memory:
+        longest = max([n for _, _, n in cal.measured] + list(args.tokens or []))
+        print(f"  {cal.prefill.memory.describe(cal.geometry, longest)}")
     for t in cal.tiers.values():
         print(
             f"  {t.setup} {t.tier}: fixed {t.fixed_s:.3f} s, effective {t.gbps or 0:.2f} GB/s of restored KV "
