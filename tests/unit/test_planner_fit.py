@@ -166,3 +166,22 @@ def test_a_run_without_the_record_keeps_the_arithmetic_model() -> None:
     cal = calibrate_records(recs, G, "synthetic")
     assert cal.prefill.memory is None
     assert cal.to_dict()["prefill"]["cache_limit"] is None
+
+
+def test_a_cell_measured_under_contention_says_how_much() -> None:
+    """The memory samples' CPU pressure (PSI) between the samples around each request: here a
+    neighbour makes runnable tasks wait 60% of the time during baseline's 10K rounds only."""
+    reqs = [r for r in records([100, 1000, 10000]) if r["kind"] == "request"]
+    samples, us = [], 0
+    for i, r in enumerate(reqs):  # one request a second, a sample at each second
+        r["t_start"], r["t_end"] = 1000.0 + i + 0.1, 1000.0 + i + 0.1 + r["ttft_s"]
+        samples.append({"kind": "memory", "setup": r["setup"], "t": 1000.0 + i, "cpu_pressure_some_us": us})
+        us += int((0.6 if (r["setup"], r["length"]) == ("baseline", 10000) else 0.02) * 1e6)
+    samples.append({"kind": "memory", "setup": "kvlab", "t": 1000.0 + len(reqs), "cpu_pressure_some_us": us})
+    cal = calibrate_records(reqs + samples, G, "synthetic")
+    got = {(c["setup"], c["tokens"]): c for c in cells(cal, None)}
+    assert got[("baseline", 10000)]["cpu_pressure"] == pytest.approx(0.6)
+    assert got[("baseline", 1000)]["cpu_pressure"] == pytest.approx(0.02)
+    assert got[("kvlab", 10000)]["cpu_pressure"] == pytest.approx(0.02)
+    # a run without the samples: no figure
+    assert "cpu_pressure" not in cells(calibrate_records(records([100, 1000]), G, "synthetic"), None)[0]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,8 @@ class Point:
     tokens: int
     cached: int
     ttft_s: float
+    t_start: float | None = None
+    t_end: float | None = None
 
 
 @dataclass
@@ -74,6 +77,8 @@ class Calibration:
     recompute_setups: list[str]
     tiers: dict[tuple[str, str], TierFit] = field(default_factory=dict)
     measured: dict[tuple[str, str, int], float] = field(default_factory=dict)  # (setup, tier, n) -> mean TTFT
+    # (setup, tier, n) -> the share of its requests' time a runnable task waited for a CPU (PSI)
+    pressure: dict[tuple[str, str, int], float] = field(default_factory=dict)
 
     def predict(self, setup: str, tier: str, n: int) -> tuple[float, float | None, TierFit | None]:
         """Predicted TTFT, the restored share (None: a recompute) and the fit used."""
@@ -157,8 +162,35 @@ def points(records: list[dict[str, Any]], avg: tuple[int, int] | None) -> list[P
             tier = r["phase"]
         else:
             continue
-        out.append(Point(r["setup"], tier, n, int(r.get("cached_tokens") or 0), float(r["ttft_s"])))
+        cached = int(r.get("cached_tokens") or 0)
+        out.append(Point(r["setup"], tier, n, cached, float(r["ttft_s"]), r.get("t_start"), r.get("t_end")))
     return out
+
+
+CONTENDED = 0.25  # a cell whose requests saw runnable tasks wait for a CPU a quarter of the time
+
+
+def cpu_pressure(records: list[dict[str, Any]], ps: list[Point]) -> float | None:
+    """The share of the points' time during which a runnable task waited for a CPU: the growth
+    of the kernel's CPU pressure (the memory samples' `cpu_pressure_some_us`) between the samples
+    around each request, summed over the points; None where the run recorded none. A quiet host
+    shows little; other work on the engine's cores shows as much as it delayed."""
+    samples = sorted(
+        (float(r["t"]), int(r["cpu_pressure_some_us"]))
+        for r in records
+        if r.get("kind") == "memory" and r.get("cpu_pressure_some_us") is not None and r.get("t")
+    )
+    ts = [t for t, _ in samples]
+    waited = span = 0.0
+    for p in ps:
+        if p.t_start is None or p.t_end is None:
+            continue
+        i, j = bisect_right(ts, p.t_start) - 1, bisect_left(ts, p.t_end)
+        if i < 0 or j >= len(ts) or ts[j] <= ts[i]:
+            continue
+        waited += (samples[j][1] - samples[i][1]) / 1e6
+        span += ts[j] - ts[i]
+    return waited / span if span else None
 
 
 def _means(ps: list[Point]) -> list[tuple[int, int, float, list[float]]]:
@@ -288,6 +320,13 @@ def calibrate_records(
     for s in recompute:
         for n, _, t, _ in _means(by_setup[s]):
             cal.measured[(s, "sweep", n)] = t
+    cells_points: dict[tuple[str, str, int], list[Point]] = defaultdict(list)
+    for p in ps:
+        cells_points[(p.setup, "sweep" if p.setup in recompute else p.tier, p.tokens)].append(p)
+    for key, xs in cells_points.items():
+        share = cpu_pressure(records, xs)
+        if share is not None:
+            cal.pressure[key] = share
     return cal
 
 
@@ -329,5 +368,7 @@ def cells(cal: Calibration, tokens: list[int] | None) -> list[dict[str, Any]]:
                 if m is not None:
                     cell["measured_ttft_s"] = m
                     cell["error"] = p / m - 1
+                    if (setup, tier, n) in cal.pressure:
+                        cell["cpu_pressure"] = cal.pressure[(setup, tier, n)]
                 out.append(cell)
     return out
