@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvlab.bench import cachebw
 from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness import results, scenarios
 from kvlab.harness.errors import InputError
@@ -124,6 +125,7 @@ def run_plan(plan: Plan, campaign_path: Path, campaign_sha: str, runs_dir: Path,
     writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
     results.point_latest(runs_dir, run_id)
     writer.append(drive_limit(work_root))
+    writer.append(cachebw.cache_limit())  # the host's LLC and its read rates: the planner's CPU input
     drives = drives_record(plan.drives)
     if drives:
         writer.append(drives)
