@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from kvlab.harness import campaign
+from kvlab.harness.compiler import run_campaign
 from kvlab.harness.report import render_run
-from kvlab.harness.runner import run_campaign
 from kvlab.harness.summary import Summary, validate
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
 """A small version of the embedded campaign on the real vLLM CPU engine: raw records, report,
-plots and a summary that validates against kvlab.summary/3 (campaigns/ci-small.yml)."""
+plots and a summary that validates against kvlab.summary/4 (campaigns/ci-small.yml)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvlab.harness import campaign, results
+from kvlab.harness.compiler import run_campaign
 from kvlab.harness.report import render_run
-from kvlab.harness.runner import run_campaign
 from kvlab.harness.summary import Summary, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,10 +130,33 @@ def test_returning_turns_carry_the_engines_answers(run: tuple[Path, Summary, cam
         assert s.setups[setup].block_size == 128  # the CPU engine's, from vLLM's cache config
 
 
+def test_wear_is_counted_per_setup_and_scenario(run: tuple[Path, Summary, campaign.Campaign]) -> None:
+    """Issue 27: bytes each tier wrote to drives per scenario, across the restore's restarts,
+    projected onto the campaign's declared drives; baseline has no drive tier (0)."""
+    _, s, c = run
+    assert c.scenarios.restore and c.scenarios.agents and c.drives
+    keys = {"restore", "sweep", "all", *(f"agents:{n}" for n in c.scenarios.agents.concurrency)}
+    k, b = s.setups["kvlab"].wear, s.setups["baseline"].wear
+    assert set(k) == set(b) == keys
+    assert s.drives is not None and s.drives.count == c.drives.count
+    chunk = c.engine["kv_chunk_tokens"]
+    whole = c.scenarios.restore.tokens // chunk * chunk
+    r = k["restore"]
+    assert r.tier == "kvlab" and r.segments == c.scenarios.restore.restart_repeats + 1  # one per engine life
+    assert r.written_bytes is not None and r.written_bytes >= whole * 16384  # the prompt, saved once at least
+    assert r.drive_written_bytes and sum(r.drive_written_bytes.values()) == r.written_bytes
+    assert r.restored_bytes and r.written_over_restored is not None and r.written_over_restored > 0
+    assert r.process_written_bytes is not None  # the engine's process tree was readable
+    assert k["all"].drive_writes_per_day and k["all"].rated_life_years
+    for w in b.values():
+        assert w.tier == "none" and w.written_bytes == 0 and w.process_written_bytes is not None
+
+
 def test_the_report_has_every_table_and_plot(run: tuple[Path, Summary, campaign.Campaign]) -> None:
     run_dir, _, _ = run
     text = (run_dir / "report" / "report.md").read_text()
-    for heading in ("## Restore", "Mean TTFT", "Total token throughput", "## Agents", "## Memory", "## Provenance"):
+    for heading in ("## Restore", "Mean TTFT", "Total token throughput", "## Agents", "## Memory", "## Wear",
+                    "## Provenance"):
         assert heading in text
     assert len(list((run_dir / "report").glob("*.png"))) == 6
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from kvlab.harness import campaign
+from kvlab.harness.compiler import run_campaign
 from kvlab.harness.results import read_records
-from kvlab.harness.runner import run_campaign
 from kvlab.harness.sessions import mooncake_workload
 from kvlab.harness.summary import AgentsPoint, summarize
 
@@ -42,7 +42,7 @@ def replay(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 def test_the_slice_has_prefix_reuse_to_find(replay: tuple[campaign.Campaign, AgentsPoint]) -> None:
     c, _ = replay
     assert c.scenarios.agents and c.scenarios.agents.source.mooncake
-    turns = mooncake_workload(c.scenarios.agents.source.mooncake, 1, c.seed).turns
+    turns = mooncake_workload(c.scenarios.agents.source.mooncake.spec(), 1, c.seed).turns
     chunk = c.engine["kv_chunk_tokens"]
     assert sum(1 for t in turns if t.reusable_tokens >= chunk) >= 10
 

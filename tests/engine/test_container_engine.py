@@ -13,7 +13,9 @@ import pytest
 
 from kvlab.client import complete
 from kvlab.harness import campaign
-from kvlab.harness.runner import LocalEngines, engine_params, run_campaign
+from kvlab.harness.compiler import engine_values, run_campaign
+from kvlab.harness.plan import EngineSpec
+from kvlab.harness.runner import LocalEngines, engine_params
 from kvlab.harness.sessions import token_ids
 
 HERE = Path(__file__).resolve().parent
@@ -86,7 +88,7 @@ def test_the_same_tokens_are_restored_and_the_ttft_ratio_is_reported(runs) -> No
 
 def greedy(engines, tiny_model: Path, work: Path) -> list[tuple[int | None, list[int] | None]]:
     c, _ = campaign.load(CAMPAIGN)
-    params = engine_params(c, tiny_model, "tiny", work, False, 2050)
+    params = engine_params(EngineSpec(c.device, False, engine_values(c, 2050)), tiny_model, "tiny", work)
     d = engines.deployment("kvlab", params)
     prompt = token_ids("container-greedy", 1100)
     with engines.server(d, work / "logs") as server:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvlab.harness import campaign
+from kvlab.harness.compiler import compile_campaign
 from kvlab.harness.report import agents_load_rows
 from kvlab.harness.scenarios import engine_cache_tokens_of, working_set_tokens
 from kvlab.harness.sessions import workload
@@ -112,8 +113,11 @@ def test_the_load_campaign_runs_the_seeds_concurrency_with_enough_returning_turn
     # vLLM keeps one block back (its null block) and refuses an engine whose other blocks
     # cannot hold one request of max_model_len
     assert c.engine["max_model_len"] <= (blocks - 1) * 128
-    for n in ag.concurrency:
-        wl = workload(ag.source, n, c.seed, f"agents-{n}")
+    steps = [s for s in compile_campaign(c, LOAD.parent).setups[0].steps if s.kind == "agents"]
+    assert [s.arg for s in steps] == ag.concurrency
+    for step in steps:  # the workloads the plan runs, with their seeds
+        assert step.workload is not None and step.workload.seed == c.seed
+        n, wl = step.arg, workload(step.workload)
         returning = sum(1 for a in wl.agents for t in a[1:])
         if n >= 16:
             assert returning >= 48, (n, returning)

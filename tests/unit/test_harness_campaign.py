@@ -9,7 +9,8 @@ import yaml
 
 from kvlab.cli import main
 from kvlab.harness import campaign
-from kvlab.harness.plan import lives_of, plan, render_plan
+from kvlab.harness.compiler import compile_campaign, lives_of
+from kvlab.harness.plan import render_plan
 from kvlab.setups import registry as setups
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ def test_the_required_campaigns_ship() -> None:
 def test_every_campaign_validates_and_plans(path: Path) -> None:
     c, sha = campaign.load(path)
     assert len(sha) == 64
-    text = render_plan(c, plan(c, path.parent))
+    text = render_plan(compile_campaign(c, path.parent))
     assert "estimate: ~" in text
 
 
@@ -101,11 +102,13 @@ def test_a_setup_for_another_device_is_skipped_with_a_reason(monkeypatch: pytest
     d = base()
     d["setups"] = ["kvlab", "gpu-only-test"]
     c = campaign.parse(d)
-    plans = {p.setup: p for p in plan(c)}
+    compiled = compile_campaign(c)
+    plans = {p.setup: p for p in compiled.setups}
     assert plans["kvlab"].runs
     assert not plans["gpu-only-test"].runs
     assert "runs on cuda" in (plans["gpu-only-test"].reason or "")
-    assert "gpu-only-test: SKIPPED" in render_plan(c, list(plans.values()))
+    assert "gpu-only-test: SKIPPED" in render_plan(compiled)
+    assert all(s.setup == "kvlab" for s in compiled.steps)  # what runs, and what the progress bar counts
 
 
 def test_engine_lives_are_grouped_by_prefix_caching_restore_first() -> None:
@@ -123,7 +126,7 @@ def test_a_scenario_can_run_for_some_setups_only() -> None:
     c = campaign.parse(d)
     assert lives_of(c, "kvlab") == [(False, ["restore", "sweep", "agents"])]
     assert lives_of(c, "baseline") == [(False, ["restore", "agents"])]
-    plans = {p.setup: p for p in plan(c)}
+    plans = {p.setup: p for p in compile_campaign(c).setups}
     assert not any("sweep" in s.what for s in plans["baseline"].steps)
     d["scenarios"]["sweep"]["setups"] = ["vllm-example"]
     with pytest.raises(campaign.CampaignError, match=r"scenarios.sweep.setups: vllm-example not in"):
@@ -138,7 +141,7 @@ def test_a_scenario_can_run_for_some_setups_only() -> None:
 
 def test_embedded_campaign_is_sized_for_this_machine() -> None:
     c, _ = campaign.load(ROOT / "campaigns/embedded.yml")
-    total = sum(s.est_s for p in plan(c) for s in p.steps)
+    total = sum(s.est_s for s in compile_campaign(c).steps)
     assert total <= 22 * 60  # seven setups, three engine starts each
     from kvlab.setups.lmcache import CPU_MEASURABLE
 
@@ -152,13 +155,13 @@ def test_the_estimate_counts_each_lifes_warm_up_and_the_recompute_reference() ->
     c = campaign.parse(base())
     r = c.scenarios.restore
     assert r is not None and r.recompute_setup == "baseline" and r.restart_repeats >= 1
-    steps = {p.setup: p.steps for p in plan(c)}
+    steps = {p.setup: p.steps for p in compile_campaign(c).setups}
     reference = [s for s in steps["baseline"] if "recompute reference" in s.what]
     assert len(reference) == 1 and reference[0].est_s > 0
     assert not any("recompute reference" in s.what for s in steps["kvlab"])
     more = base()
     more["scenarios"]["restore"]["warmup_tokens"] = 4096
-    longer = {p.setup: p.steps for p in plan(campaign.parse(more))}
+    longer = {p.setup: p.steps for p in compile_campaign(campaign.parse(more)).setups}
     for setup in ("kvlab", "baseline"):  # the compute's life and every restart's
         for a, b in zip(steps[setup], longer[setup], strict=True):
             if a.what.startswith(("restore: compute", "restore: restart")):

@@ -13,9 +13,12 @@ import pytest
 
 from kvlab.client import Completion
 from kvlab.harness import campaign, metrics, pagecache, scenarios
+from kvlab.harness.campaign_sources import GeneratorSource
+from kvlab.harness.compiler import agents_spec, restore_spec, sweep_spec
 from kvlab.harness.metrics import Turn
+from kvlab.harness.plan import Step, restore_steps, sweep_steps
 from kvlab.harness.report import render_run
-from kvlab.harness.sessions import GeneratorSource, coding_agent_sessions
+from kvlab.harness.sessions import coding_agent_sessions
 from kvlab.harness.summary import summarize, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,7 +119,7 @@ def test_the_report_says_whether_the_page_cache_was_dropped(tmp_path: Path) -> N
     assert "Recompute reference: 2.000 s, the median of 3 fresh 4098-token prompts on baseline" in text
     assert "block size (128 tokens)" in text and "carries the tokens the engine generated" in text
     obj = json.loads((md.parent / "summary.json").read_text())
-    assert obj["schema"] == "kvlab.summary/3"
+    assert obj["schema"] == "kvlab.summary/4"
     assert obj["setups"]["kvlab"]["sweep"]["1000"]["page_cache_dropped_rounds"] == 3
     validate(obj)
 
@@ -186,6 +189,12 @@ def test_the_engines_block_size_comes_from_its_cache_config() -> None:
     assert scenarios.block_size_of({"vllm:num_requests_running": 0.0}) is None
 
 
+def run_steps(t: scenarios.Target, steps: list[Step]) -> None:
+    """A scenario's steps of the plan, in order, as the runner runs them."""
+    for step in steps:
+        scenarios.run_step(t, step, 1, lambda: 1.0)
+
+
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch) -> FakeEngine:
     fake = FakeEngine()
@@ -201,7 +210,7 @@ def test_a_refused_drop_is_recorded_on_every_sweep_round(engine: FakeEngine, mon
     recs: list[dict] = []
     t = scenarios.Target("kvlab", FakeServer(), "m", None, recs.append, notes.append, lambda ph: None)  # type: ignore[arg-type]
     sc = campaign.SweepScenario(lengths=[100], rounds=3, average_rounds=(1, 3), drop_page_cache=True)
-    scenarios.sweep(t, sc, seed=1, step=lambda w: None)
+    run_steps(t, sweep_steps("kvlab", sweep_spec(sc)))
     sweep = [r for r in recs if r.get("scenario") == "sweep"]
     assert [r["page_cache_dropped"] for r in sweep] == [False] * 3
     assert all("Read-only file system" in r["page_cache_drop_error"] for r in sweep)
@@ -213,12 +222,12 @@ def test_sweep_rounds_drop_before_each_round_only_when_asked(engine: FakeEngine,
     drops: list[int] = []
     monkeypatch.setattr(scenarios, "drop_page_cache", lambda: drops.append(1))
     recs: list[dict] = []
-    scenarios.sweep(target("kvlab", recs), campaign.SweepScenario(lengths=[100], rounds=2, average_rounds=(1, 2),
-                                                                   drop_page_cache=True), 1, lambda w: None)
+    sc = campaign.SweepScenario(lengths=[100], rounds=2, average_rounds=(1, 2), drop_page_cache=True)
+    run_steps(target("kvlab", recs), sweep_steps("kvlab", sweep_spec(sc)))
     assert len(drops) == 2 and all(r["page_cache_dropped"] is True for r in recs)
     recs.clear()
-    scenarios.sweep(target("kvlab", recs), campaign.SweepScenario(lengths=[100], rounds=2, average_rounds=(1, 2)),
-                    1, lambda w: None)
+    sc = campaign.SweepScenario(lengths=[100], rounds=2, average_rounds=(1, 2))
+    run_steps(target("kvlab", recs), sweep_steps("kvlab", sweep_spec(sc)))
     assert len(drops) == 2 and all("page_cache_dropped" not in r for r in recs)
 
 
@@ -227,8 +236,8 @@ GEN = dict(turns=3, system_tokens=40, first_user_tokens=8, tool_output_tokens=(1
 
 
 def test_engine_answers_draw_the_same_sessions_as_seeded_ones_less_the_replies() -> None:
-    seeded = coding_agent_sessions(GeneratorSource(**GEN), 2, seed=1, step="s")
-    real = coding_agent_sessions(GeneratorSource(**GEN, answers="engine"), 2, seed=1, step="s")
+    seeded = coding_agent_sessions(GeneratorSource(**GEN).spec(), 2, seed=1, step="s")
+    real = coding_agent_sessions(GeneratorSource(**GEN, answers="engine").spec(), 2, seed=1, step="s")
     for sa, ra in zip(seeded.agents, real.agents, strict=True):
         assert ra[0] == sa[0]  # the first turn has no answer to carry
         for s, r in zip(sa[1:], ra[1:], strict=True):
@@ -239,9 +248,9 @@ def test_engine_answers_draw_the_same_sessions_as_seeded_ones_less_the_replies()
 def test_each_next_turn_carries_the_tokens_the_engine_generated(engine: FakeEngine) -> None:
     src = GeneratorSource(**GEN, answers="engine")
     sc = campaign.AgentsScenario(concurrency=[1], source={"generator": src.model_dump()})
-    wl = coding_agent_sessions(src, 1, seed=1, step="s")
+    wl = coding_agent_sessions(src.spec(), 1, seed=1, step="s")
     recs: list[dict] = []
-    scenarios.agents(target("kvlab", recs), sc, 1, wl)
+    scenarios.agents(target("kvlab", recs), agents_spec(sc), 1, wl)
     turns = sorted((r for r in recs if r.get("scenario") == "agents" and r["kind"] == "request"),
                    key=lambda r: r["turn"])
     p = engine.prompts
@@ -265,7 +274,7 @@ def test_a_turn_with_no_answer_to_carry_is_a_recorded_error(engine: FakeEngine, 
     src = GeneratorSource(**GEN, answers="engine")
     sc = campaign.AgentsScenario(concurrency=[1], source={"generator": src.model_dump()})
     recs: list[dict] = []
-    scenarios.agents(target("kvlab", recs), sc, 1, coding_agent_sessions(src, 1, seed=1, step="s"))
+    scenarios.agents(target("kvlab", recs), agents_spec(sc), 1, coding_agent_sessions(src.spec(), 1, seed=1, step="s"))
     errors = [r["error"] for r in recs if r["kind"] == "request"]
     assert errors[0].startswith("ConnectionError") and all("no answer to carry" in e for e in errors[1:])
     assert len(errors) == 3 and summarize(recs, ["kvlab"]).setups["kvlab"].agents["1"].errors == 3
@@ -277,7 +286,7 @@ def test_the_restore_warms_each_engine_and_times_the_reference_on_its_setup(engi
     phases = {}
     for setup in ("baseline", "kvlab"):
         recs: list[dict] = []
-        scenarios.restore(target(setup, recs), sc, seed=1, restart=lambda: 1.0, step=lambda w: None)
+        run_steps(target(setup, recs), restore_steps(setup, restore_spec(sc)))
         phases[setup] = [r["phase"] for r in recs]
     assert phases["baseline"] == ["warmup", "compute", "recompute", "recompute", "recompute", "warm",
                                   "warmup", "restart", "warmup", "restart"]

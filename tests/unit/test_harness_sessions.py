@@ -5,16 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvlab.harness.campaign_sources import GeneratorSource, MooncakeSource
 from kvlab.harness.sessions import (
-    GeneratorSource,
-    MooncakeSource,
     coding_agent_sessions,
     mooncake_workload,
     token_ids,
 )
 
 GEN = GeneratorSource(turns=4, system_tokens=100, first_user_tokens=10, tool_output_tokens=(20, 40),
-                      assistant_tokens=(5, 10), output_tokens=(3, 6), think_time_s=(0.1, 0.2))
+                      assistant_tokens=(5, 10), output_tokens=(3, 6), think_time_s=(0.1, 0.2)).spec()
 
 
 def test_token_ids_are_reproducible_from_the_key() -> None:
@@ -58,7 +57,7 @@ def trace(tmp_path: Path) -> Path:
 
 
 def test_mooncake_equal_hash_ids_become_equal_blocks(tmp_path: Path) -> None:
-    src = MooncakeSource(path=str(trace(tmp_path)), limit=10, block_tokens=8, time_scale=0.5, max_output_tokens=32)
+    src = MooncakeSource(path=str(trace(tmp_path)), limit=10, block_tokens=8, time_scale=0.5, max_output_tokens=32).spec()
     turns = sorted(mooncake_workload(src, 2, seed=3).turns, key=lambda t: t.session)
     assert [len(t.prompt) for t in turns] == [16, 23, 9, 16]  # input_length * 8 / 512, capped at the blocks
     assert turns[1].prompt[:16] == turns[0].prompt  # ids 0, 1 shared
@@ -69,13 +68,13 @@ def test_mooncake_equal_hash_ids_become_equal_blocks(tmp_path: Path) -> None:
 
 
 def test_mooncake_requests_go_round_robin_to_the_agents(tmp_path: Path) -> None:
-    src = MooncakeSource(path=str(trace(tmp_path)), limit=10, block_tokens=8)
+    src = MooncakeSource(path=str(trace(tmp_path)), limit=10, block_tokens=8).spec()
     wl = mooncake_workload(src, 2, seed=3)
     assert [[t.session for t in a] for a in wl.agents] == [[0, 2], [1, 3]]
 
 
 def test_mooncake_slice_start_and_limit(tmp_path: Path) -> None:
-    src = MooncakeSource(path=str(trace(tmp_path)), start=1, limit=2, block_tokens=8)
+    src = MooncakeSource(path=str(trace(tmp_path)), start=1, limit=2, block_tokens=8).spec()
     turns = mooncake_workload(src, 1, seed=3).turns
     assert len(turns) == 2 and turns[0].at_s == 0.0
     assert turns[0].reusable_tokens == 0  # reuse counts within the replayed slice only

@@ -1,15 +1,18 @@
-"""What a campaign records for the planner: the drive's fio limit on the stores' filesystem
-and the model's geometry (campaign `model.tiny.geometry`, provenance, the plan's bytes)."""
+"""What a campaign records for the planner: the drive's fio limit on the stores' filesystem,
+the model's geometry (campaign `model.tiny.geometry`, provenance, the plan's bytes), and the
+host's CPU pressure in every memory sample (how much other work contended with the engine)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from kvlab.harness.campaign import CampaignError, load, parse
-from kvlab.harness.plan import cost_model, kv_bytes_per_token
+from kvlab.harness.compiler import cost_model, kv_bytes_per_token
+from kvlab.harness.memory import CPU_PRESSURE, MemorySampler, cpu_pressure_us, process_tree
 from kvlab.harness.runner import drive_limit
 from kvlab.planner.calibrate import geometry_of
 
@@ -47,3 +50,23 @@ def test_a_wrong_geometry_field_is_named() -> None:
                 "scenarios": {"sweep": {"lengths": [100]}},
             }
         )
+
+
+def test_cpu_pressure_reads_psis_some_total(tmp_path: Path) -> None:
+    f = tmp_path / "cpu"
+    f.write_text(
+        "some avg10=72.62 avg60=70.01 avg300=69.60 total=8438013592\n"
+        "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    )
+    assert cpu_pressure_us(f) == 8438013592
+    assert cpu_pressure_us(tmp_path / "absent") is None
+
+
+def test_memory_samples_carry_the_hosts_cpu_pressure() -> None:
+    u = process_tree(os.getpid())
+    rec = MemorySampler(lambda: {"engine": u, "cache_server": None}, 1, lambda r: None, "kvlab").sample()
+    assert rec is not None
+    if CPU_PRESSURE.exists():  # a kernel with PSI: a count that only grows
+        assert isinstance(rec["cpu_pressure_some_us"], int) and rec["cpu_pressure_some_us"] >= 0
+    else:
+        assert rec["cpu_pressure_some_us"] is None

@@ -11,6 +11,8 @@ import pytest
 from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness import scenarios
 from kvlab.harness.campaign import RestoreScenario
+from kvlab.harness.compiler import restore_spec
+from kvlab.harness.plan import restore_steps
 from kvlab.setups import registry as setups
 
 pytestmark = pytest.mark.unit
@@ -31,7 +33,8 @@ def run_restore(srv: EngineServer, monkeypatch: pytest.MonkeyPatch) -> tuple[lis
     monkeypatch.setattr(scenarios.time, "sleep", lambda s: None)
     t = scenarios.Target("kvlab", srv, "tiny", None, records.append, notes.append, lambda ph: None)
     sc = RestoreScenario(tokens=64, warm_repeats=2, restart_repeats=0, drop_page_cache=False, settle_s=0)
-    scenarios.restore(t, sc, seed=0, restart=lambda: 1.0, step=lambda s: None)
+    for step in restore_steps("kvlab", restore_spec(sc)):  # the steps the plan gives, in order
+        scenarios.run_step(t, step, 0, lambda: 1.0)
     return records, notes, phases + ["reset"] * len(resets)
 
 

@@ -2,7 +2,7 @@
 outputs as vLLM's own tests/v1/kv_connector/unit/ do: the objects carry the attributes of
 vLLM's Request, NewRequestData, CachedRequestData and SchedulerOutput that the connector
 reads, and a set stands for the drives (the worker's part, saving and loading, is
-tests/unit/test_worker.py's).
+tests/unit/worker/test_worker.py's).
 
 Geometry: blocks of 16 tokens, chunks of 64 (4 blocks), 2 layers.
 """

@@ -16,8 +16,10 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from kvlab.harness.campaign_base import CampaignError, FileField, Strict, resolve_file
-from kvlab.harness.sessions import AgentSource, agent_max_prompt_tokens, sha256_file
+from kvlab.harness.campaign_sources import AgentSource
+from kvlab.harness.sessions import agent_max_prompt_tokens, sha256_file
 from kvlab.setups import registry as setups
+from kvlab.wear import Drives
 
 __all__ = ["Campaign", "CampaignError", "FileRef", "load", "parse", "resolve_file", "shipment"]
 
@@ -151,6 +153,29 @@ class MemorySampling(Strict):
     interval_s: float = Field(0.5, gt=0)
 
 
+class DrivesSpec(Strict):
+    """The drives the campaign's tiers write to, for the report's wear projection: the run's
+    write rate as drive writes per day over their capacity, and the rated life it implies."""
+
+    model: str | None = Field(None, description="what they are (for the report)")
+    count: int = Field(ge=1, description="drives the store is spread over")
+    capacity_tb: float = Field(gt=0, description="each drive's capacity, decimal TB")
+    dwpd: float | None = Field(None, gt=0, description="rated drive writes per day over warranty_years")
+    tbw: float | None = Field(None, gt=0, description="rated terabytes written, per drive")
+    warranty_years: float = Field(5.0, gt=0, description="the period the rating covers")
+
+    @model_validator(mode="after")
+    def _one_rating(self) -> DrivesSpec:
+        if (self.dwpd is None) == (self.tbw is None):
+            raise ValueError("give exactly one rating: dwpd (drive writes per day, e.g. 1.0) or tbw "
+                             "(terabytes written per drive, e.g. 14016)")
+        return self
+
+    def drives(self) -> Drives:
+        return Drives(count=self.count, capacity_tb=self.capacity_tb, dwpd=self.dwpd, tbw=self.tbw,
+                      warranty_years=self.warranty_years, model=self.model)
+
+
 class Variant(Strict):
     """A lab parameter set the whole campaign repeats under (seed: storage link 100/400/800 Gb/s)."""
 
@@ -170,6 +195,8 @@ class Campaign(Strict):
     memory: MemorySampling = MemorySampling()
     variants: list[Variant] = Field(default_factory=list)
     inventory: str | None = Field(None, description="the Ansible inventory a lab campaign runs against")
+    drives: DrivesSpec | None = Field(
+        None, description="the drives' capacity and rated endurance: the report's drive writes per day and life")
 
     @field_validator("setups")
     @classmethod
@@ -241,7 +268,7 @@ class Campaign(Strict):
         if s.sweep:
             n = max(n, *s.sweep.lengths)
         if s.agents:
-            n = max(n, agent_max_prompt_tokens(s.agents.source, base))
+            n = max(n, agent_max_prompt_tokens(s.agents.source.spec(base)))
         return n
 
 

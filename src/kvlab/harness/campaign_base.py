@@ -1,8 +1,9 @@
 """What every part of the campaign schema shares: the strict model, the one-line error, and
 the marker of fields that name a file.
 
-It sits below both the campaign (kvlab.harness.campaign) and the workload sources it names
-(kvlab.harness.sessions), so that neither imports the other back.
+It sits below the campaign (kvlab.harness.campaign) and the sources it names
+(kvlab.harness.campaign_sources). Only the compiler (kvlab.harness.compiler) reads a campaign:
+what runs a campaign takes the plan it compiles to (kvlab.harness.plan).
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict
 
+from kvlab.harness.errors import InputError
 
-class CampaignError(ValueError):
+
+class CampaignError(InputError):
     """A campaign file a user wrote that cannot be used; the message is one line."""
 
 

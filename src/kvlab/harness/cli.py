@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvlab.harness import campaign as campaign_mod
+from kvlab.harness.errors import InputError
 
 if TYPE_CHECKING:
+    from kvlab.harness.plan import Plan
     from kvlab.harness.runner import Engines
 
 
@@ -60,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     rep = sub.add_parser("report", help="render a campaign run's tables and plots; several runs side by side")
     rep.add_argument("runs", nargs="+", type=Path, help="results/runs/<run-id> (or results/runs/latest)")
-    rep.add_argument("--summary-json", action="store_true", help="print the summary (kvlab.summary/3) as JSON")
+    rep.add_argument("--summary-json", action="store_true", help="print the summary (kvlab.summary/4) as JSON")
     rep.add_argument("--out", type=Path, help="where a side-by-side report of several runs goes")
     rep.add_argument("--check", action="store_true", help="validate each run's report/summary.json against the schema")
     rep.set_defaults(func=_report)
@@ -97,15 +99,23 @@ def _files(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _compile(path: Path) -> tuple[Plan, str]:
+    """The campaign file's plan (the compiler is the only reader of a campaign) and its sha256."""
     from kvlab.cli import UserError
-    from kvlab.harness.plan import plan, render_plan
+    from kvlab.harness.compiler import compile_campaign
 
-    c, _ = _load(args.file)
+    c, sha = _load(path)
     try:
-        print(render_plan(c, plan(c, args.file.parent)))
-    except campaign_mod.CampaignError as e:
+        return compile_campaign(c, path.parent), sha
+    except InputError as e:
         raise UserError(str(e)) from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kvlab.harness.plan import render_plan
+
+    plan, _ = _compile(args.file)
+    print(render_plan(plan))
     return 0
 
 
@@ -116,16 +126,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _plan(args)
     from kvlab.harness.report import render_run
-    from kvlab.harness.runner import run_campaign
+    from kvlab.harness.runner import run_plan
 
-    c, sha = _load(args.file)
+    plan, sha = _compile(args.file)
     t0 = time.monotonic()
     try:
-        run_dir = run_campaign(c, args.file, sha, args.runs_dir, keep_stores=args.keep_stores,
-                               engines=engines)
-    except campaign_mod.CampaignError as e:
+        run_dir = run_plan(plan, args.file, sha, args.runs_dir, keep_stores=args.keep_stores, engines=engines)
+    except InputError as e:
         raise UserError(str(e)) from None
-    print(f"campaign {c.name}: {time.monotonic() - t0:.0f} s; results in {run_dir}", file=sys.stderr)
+    print(f"campaign {plan.campaign}: {time.monotonic() - t0:.0f} s; results in {run_dir}", file=sys.stderr)
     if not args.no_report:
         _, md = render_run(run_dir)
         print(f"report: {md}", file=sys.stderr)
@@ -136,7 +145,8 @@ def _run(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from kvlab.cli import UserError
     from kvlab.harness import compare
-    from kvlab.harness.runner import LocalEngines, note
+    from kvlab.harness.progress import note
+    from kvlab.harness.runner import LocalEngines
 
     controls = [x.strip() for x in args.engines.split(",")]
     if len(controls) != 2 or len(set(controls)) != 2 or not set(controls) <= {"local", "container"}:

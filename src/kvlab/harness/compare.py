@@ -100,14 +100,16 @@ def compare(campaign_path: Path, controls: Sequence[str], repeats: int, runs_dir
     """Run the campaign `repeats` times under each control, interleaved; the comparison with
     provenance and the side-by-side report's path."""
     from kvlab.harness import campaign as campaign_mod
+    from kvlab.harness.compiler import compile_campaign
     from kvlab.harness.report import load_run, render
-    from kvlab.harness.runner import run_campaign
+    from kvlab.harness.runner import run_plan
 
     c, sha = campaign_mod.load(campaign_path)
+    plan = compile_campaign(c, campaign_path.parent)  # one plan, run under each control
     engines = {control: engines_for(control) for control in controls}  # an image builds once, first
 
     def run_one(control: str, repeat: int) -> Path:
-        return run_campaign(c, campaign_path, sha, runs_dir, engines=engines[control])
+        return run_plan(plan, campaign_path, sha, runs_dir, engines=engines[control])
 
     t0 = time.monotonic()
     dirs = run_interleaved(repeats, controls, run_one, progress)

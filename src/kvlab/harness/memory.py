@@ -123,6 +123,20 @@ def cgroup_usage(cg: Path) -> Usage:
 
 
 MemoryOf = Callable[[], dict[str, Usage | None]]
+CPU_PRESSURE = Path("/proc/pressure/cpu")
+
+
+def cpu_pressure_us(path: Path = CPU_PRESSURE) -> int | None:
+    """The kernel's CPU pressure (PSI): microseconds, since boot, during which at least one
+    runnable task waited for a CPU. Its growth over a request is how much other work contended
+    with the engine then; None where the kernel has no PSI."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("some "):
+                return int(dict(f.split("=") for f in line.split()[1:])["total"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
 
 
 class MemorySampler:
@@ -143,6 +157,7 @@ class MemorySampler:
 
     def record(self, usage: dict[str, Usage | None]) -> dict:
         rec: dict = {"kind": "memory", "setup": self.setup, "phase": self.phase, "t": time.time()}
+        rec["cpu_pressure_some_us"] = cpu_pressure_us()  # the planner's contention check
         for prefix in ("engine", "cache_server"):
             u = usage.get(prefix)
             rec |= u.fields(prefix) if u else dict.fromkeys(Usage(0, 0).fields(prefix))  # all null

@@ -1,96 +1,116 @@
-"""The plan of a campaign run: engine lives and steps, each with a time estimate.
+"""The plan a campaign compiles to: what runs, in order, with nothing left to look up.
 
-Estimates come from the restore planner's arithmetic (kvlab.planner: prefill FLOPs of the
-campaign's model, a restore through a tier) with constants per device measured where they
-were: on the embedded CPU default (2 cores) the embedded-sweep run's curve, engines starting
-in 25-40 s; on the lab's GPUs the first seed's 196K-token prefill (47.7 s) and restore (~2 s).
-They size a run, nothing more.
+A plan is a list of setups; each runs in engine lives (one engine configuration each: the
+engine's parameters), and each life is its steps in the order they run: engine start, the
+scenarios' steps (each with its scenario's spec; an agents step with its workload and seed),
+engine stop. The compiler (kvlab.harness.compiler) is the only reader of a campaign; the
+runner executes a plan, `--dry-run` prints it, the progress bar counts its steps and the run
+folder records it (`plan.json`, schema kvlab.plan/1).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
-from kvlab.harness.campaign import Campaign
-from kvlab.harness.sessions import agent_max_prompt_tokens, generator_max_prompt_tokens
-from kvlab.planner import presets as planner_presets
-from kvlab.planner.geometry import Geometry
-from kvlab.planner.modelconfig import ModelError
-from kvlab.planner.modelconfig import resolve as resolve_model
-from kvlab.planner.node import PRESETS as node_presets
-from kvlab.planner.presets import tiny_geometry
-from kvlab.planner.recompute import PrefillCurve
-from kvlab.planner.restore import restore as restore_tier
-from kvlab.setups import registry as setups
+from kvlab.harness.sessions import WorkloadSpec
+from kvlab.wear import Drives
+
+SCHEMA = "kvlab.plan/1"
+
+StepKind = Literal[
+    "engine-start",
+    "restore-compute",
+    "restore-recompute",
+    "restore-warm",
+    "restore-restart",
+    "sweep",
+    "agents",
+    "engine-stop",
+]
 
 
 @dataclass(frozen=True)
-class CostModel:
-    """The restore planner's arithmetic (kvlab.planner) with a device's constants: a prefill
-    curve on the campaign model's FLOPs, a restore through the node's tier at an effective
-    rate, engine starts and decode steps."""
+class RestoreSpec:
+    """One long prompt computed, then restored (the campaign's RestoreScenario says what each field is)."""
 
-    engine_start_s: float
-    node: str  # kvlab.planner.node preset
-    tier: str  # the restore's path on that node
-    curve: PrefillCurve
-    restore_gbps: float  # effective GB/s of restored KV
-    restore_fixed_s: float
-    decode_s_per_token: float
-    geometry: Geometry | None = None  # the campaign's model (cost_model fills it in)
-
-    def prefill(self, n: int) -> float:
-        assert self.geometry is not None
-        return self.curve.time(self.geometry, n)
-
-    def restore(self, n: int, kv_bytes_per_token: int) -> float:
-        g = self.geometry
-        assert g is not None
-        r = restore_tier(self.tier, node_presets[self.node], n * kv_bytes_per_token, 1, 1.0,
-                         self.curve.compute_s(g, n, max(0, n - 1)), g.layers, self.restore_fixed_s,
-                         transfer_gbps=self.restore_gbps)
-        return r.total_s
+    tokens: int
+    warmup_tokens: int
+    recompute_prompts: int
+    recompute_setup: str
+    warm_repeats: int
+    restart_repeats: int
+    output_tokens: int
+    drop_page_cache: bool
+    settle_s: float
+    prefix_caching: bool
 
 
-# CPU (the embedded default, two cores): fitted on embedded-sweep's recomputes (100 to 100K
-# tokens of the light tiny model) and kvlab's hits; `make demo`'s 4K-token prefill of the
-# KV-heavy model comes out at ~1.1 s (measured 0.887 s; the curve before this was 4.85 s).
-# CUDA: the first seed's GLM-5.3 on 8x H200, the FLOPs rate set so that its 196K-token
-# prefill is the seed's 47.7 s, and its ~2 s restore.
-COST = {
-    "cpu": CostModel(engine_start_s=40, node="cpu", tier="nvme-host",
-                     curve=PrefillCurve(100e9, 0.0, 0.07, "embedded-sweep, two cores"),
-                     restore_gbps=0.35, restore_fixed_s=0.05, decode_s_per_token=0.03),
-    "cuda": CostModel(engine_start_s=300, node="h200", tier="nvme-gds",
-                      curve=PrefillCurve(5.0e14, 0.0, 0.1, "the first seed: 196K tokens in 47.7 s"),
-                      restore_gbps=5.0, restore_fixed_s=0.2, decode_s_per_token=0.04),
-}
+@dataclass(frozen=True)
+class SweepSpec:
+    """Context lengths x rounds of the same input (the campaign's SweepScenario)."""
+
+    lengths: tuple[int, ...]
+    rounds: int
+    average_rounds: tuple[int, int]
+    output_tokens: int
+    prefix_caching: bool
+    settle_s: float
+    drop_page_cache: bool
 
 
-def campaign_geometry(c: Campaign) -> Geometry:
-    """The campaign model's geometry: the tiny model's fields, a model folder's config.json
-    where this host has it, else the first seed's GLM-5.3 (the lab's model) scaled to the
-    campaign's kv_bytes_per_token."""
-    if c.model.tiny is not None:
-        return tiny_geometry("tiny", c.model.tiny.tiny_geometry())
-    try:
-        return resolve_model(c.model.path or "")
-    except ModelError:
-        return planner_presets.get("glm-5.3")
+@dataclass(frozen=True)
+class AgentsSpec:
+    """N concurrent agents (the campaign's AgentsScenario); each N's workload is its step's."""
+
+    concurrency: tuple[int, ...]
+    frozen_threshold_s: float
+    hit_min_fraction: float
+    prefix_caching: bool
+    answers: str | None  # the generator's answers (seeded, engine); None for a trace
 
 
-def cost_model(c: Campaign) -> CostModel:
-    return dataclasses.replace(COST[c.device], geometry=campaign_geometry(c))
+ScenarioSpec = RestoreSpec | SweepSpec | AgentsSpec
 
 
 @dataclass(frozen=True)
 class Step:
+    """One thing a life does, in order. `arg`: the repeat (restore), the length (sweep) or N
+    (agents); `workload`: an agents step's turns, as a spec with its seed."""
+
     setup: str
-    life: int  # engine life within the setup (a restart starts a new one inside restore)
+    kind: StepKind
     what: str
-    est_s: float
+    est_s: float = 0.0
+    scenario: str | None = None
+    spec: ScenarioSpec | None = None
+    arg: int | None = None
+    workload: WorkloadSpec | None = None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """An engine life's configuration: kvlab.setups.EngineParams fields but those of the host
+    it runs on (model path, ports, work folders), which the runner fills in."""
+
+    device: str
+    prefix_caching: bool
+    values: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Life:
+    setup: str
+    index: int
+    scenarios: tuple[str, ...]
+    engine: EngineSpec
+    steps: tuple[Step, ...]
+
+    def spec(self, scenario: str) -> ScenarioSpec | None:
+        return next((s.spec for s in self.steps if s.scenario == scenario), None)
 
 
 @dataclass(frozen=True)
@@ -98,99 +118,98 @@ class SetupPlan:
     setup: str
     runs: bool
     reason: str | None
-    lives: tuple[tuple[str, ...], ...]  # scenario names per engine life
-    steps: tuple[Step, ...]
+    lives: tuple[Life, ...]
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        return tuple(s for life in self.lives for s in life.steps)
 
 
-def lives_of(c: Campaign, setup: str) -> list[tuple[bool, list[str]]]:
-    """A setup's scenarios grouped by the engine's prefix caching, restore first (it
-    resets the cache)."""
-    on: list[str] = []
-    off: list[str] = []
-    for name in c.scenarios_for(setup):
-        (on if getattr(c.scenarios, name).prefix_caching else off).append(name)
-    return [(flag, names) for flag, names in ((True, on), (False, off)) if names]
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model: the tiny one (its seed and TinyGeometry fields) or a folder on the engine host."""
+
+    kind: Literal["tiny", "path"]
+    served_name: str
+    kv_bytes_per_token: int
+    seed: int | None = None
+    geometry: Mapping[str, Any] | None = None
+    path: str | None = None
 
 
-def setup_runs_here(name: str, device: str) -> tuple[bool, str | None]:
-    setup = setups.get(name)
-    if device not in setup.devices:
-        return False, f"setup {name!r} runs on {'/'.join(setup.devices)}, not on this campaign's device {device!r}"
-    return True, None
+@dataclass(frozen=True)
+class Plan:
+    campaign: str
+    device: str
+    seed: int
+    model: ModelPlan
+    memory_interval_s: float
+    files: tuple[Path, ...]  # every file the campaign refers to, resolved (their sha256 go in the provenance)
+    variants: tuple[str, ...]
+    cost_model: str
+    setups: tuple[SetupPlan, ...]
+    drives: Drives | None = None  # the drives the tiers write to (the report's wear projection)
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """Every step that runs, in order (what the progress bar counts)."""
+        return tuple(s for p in self.setups if p.runs for s in p.steps)
 
 
-def kv_bytes_per_token(c: Campaign) -> int:
-    if c.model.kv_bytes_per_token:
-        return c.model.kv_bytes_per_token
-    return c.model.tiny.tiny_geometry().kv_bytes_per_token if c.model.tiny else 0
-
-
-def _agents_est(c: Campaign, n: int, cm: CostModel, cached: bool, base: Path | None) -> float:
-    a = c.scenarios.agents
-    assert a is not None
-    if a.source.generator:
-        g = a.source.generator
-        top = generator_max_prompt_tokens(g)
-        mean_new = (g.tool_output_tokens[0] + g.tool_output_tokens[1] + g.assistant_tokens[0] + g.assistant_tokens[1]) / 2
-        per_turn_prefill = cm.prefill(int(mean_new)) if cached else cm.prefill(top // 2) * 1.0
-        out = (g.output_tokens[0] + g.output_tokens[1]) / 2
-        think = (g.think_time_s[0] + g.think_time_s[1]) / 2
-        # prefill serializes on the one engine; decode and think time overlap between agents
-        return n * g.turns * per_turn_prefill + g.turns * (out * cm.decode_s_per_token + think)
-    m = a.source.mooncake
-    assert m is not None
-    top = agent_max_prompt_tokens(a.source, base)
-    return m.limit * (cm.prefill(top // 2) * (0.5 if cached else 1.0) + m.max_output_tokens * cm.decode_s_per_token / n)
-
-
-def plan(c: Campaign, base: Path | None = None) -> list[SetupPlan]:
-    cm = cost_model(c)
-    kvb = kv_bytes_per_token(c)
-    out = []
-    for name in c.setups:
-        runs, reason = setup_runs_here(name, c.device)
-        cached = name != "baseline"
-        steps: list[Step] = []
-        lives = lives_of(c, name)
-        life = 0
-        for _, names in lives:
-            steps.append(Step(name, life, "engine start", cm.engine_start_s))
-            for sc in names:
-                if sc == "restore":
-                    r = c.scenarios.restore
-                    assert r is not None
-                    comp = cm.prefill(r.tokens)
-                    again = cm.restore(r.tokens, kvb) if cached else comp
-                    warm_up = cm.prefill(r.warmup_tokens)  # every engine life answers one first
-                    steps.append(Step(name, life, f"restore: compute {r.tokens} tokens",
-                                      warm_up + comp + r.settle_s))
-                    if name == r.recompute_setup:
-                        steps.append(Step(name, life, f"restore: recompute reference x{r.recompute_prompts}",
-                                          r.recompute_prompts * comp))
-                    for i in range(r.warm_repeats):
-                        steps.append(Step(name, life, f"restore: warm {i + 1}/{r.warm_repeats}", again))
-                    for i in range(r.restart_repeats):
-                        life += 1
-                        steps.append(Step(name, life, f"restore: restart {i + 1}/{r.restart_repeats}",
-                                          cm.engine_start_s + warm_up + again + r.settle_s))
-                elif sc == "sweep":
-                    sw = c.scenarios.sweep
-                    assert sw is not None
-                    for n in sw.lengths:
-                        per = cm.prefill(n) + sw.output_tokens * cm.decode_s_per_token + sw.settle_s
-                        hit = (cm.restore(n, kvb) + sw.output_tokens * cm.decode_s_per_token + sw.settle_s
-                               if cached else per)
-                        steps.append(Step(name, life, f"sweep: {n} tokens x {sw.rounds} rounds",
-                                          per + (sw.rounds - 1) * hit))
-                elif sc == "agents":
-                    a = c.scenarios.agents
-                    assert a is not None
-                    for n in a.concurrency:
-                        steps.append(Step(name, life, f"agents: N={n}", _agents_est(c, n, cm, cached, base)))
-            steps.append(Step(name, life, "engine stop", 5))
-            life += 1
-        out.append(SetupPlan(name, runs, reason, tuple(tuple(n) for _, n in lives), tuple(steps)))
+def restore_steps(setup: str, r: RestoreSpec) -> list[Step]:
+    out = [Step(setup, "restore-compute", f"restore: compute {r.tokens} tokens", scenario="restore", spec=r)]
+    if setup == r.recompute_setup:
+        out.append(
+            Step(
+                setup,
+                "restore-recompute",
+                f"restore: recompute reference x{r.recompute_prompts}",
+                scenario="restore",
+                spec=r,
+            )
+        )
+    out += [
+        Step(
+            setup,
+            "restore-warm",
+            f"restore: warm {i + 1}/{r.warm_repeats}",
+            scenario="restore",
+            spec=r,
+            arg=i,
+        )
+        for i in range(r.warm_repeats)
+    ]
+    out += [
+        Step(
+            setup,
+            "restore-restart",
+            f"restore: restart {i + 1}/{r.restart_repeats}",
+            scenario="restore",
+            spec=r,
+            arg=i,
+        )
+        for i in range(r.restart_repeats)
+    ]
     return out
+
+
+def sweep_steps(setup: str, sw: SweepSpec) -> list[Step]:
+    return [
+        Step(setup, "sweep", f"sweep: {n} tokens x {sw.rounds} rounds", scenario="sweep", spec=sw, arg=n)
+        for n in sw.lengths
+    ]
+
+
+def agents_steps(setup: str, a: AgentsSpec, workloads: Mapping[int, WorkloadSpec]) -> list[Step]:
+    return [
+        Step(setup, "agents", f"agents: N={n}", scenario="agents", spec=a, arg=n, workload=workloads[n])
+        for n in a.concurrency
+    ]
+
+
+def life_steps(setup: str, prefix_caching: bool, scenario_steps: list[Step]) -> tuple[Step, ...]:
+    start = Step(setup, "engine-start", f"engine start (prefix caching {'on' if prefix_caching else 'off'})")
+    return (start, *scenario_steps, Step(setup, "engine-stop", "engine stop"))
 
 
 def fmt_s(s: float) -> str:
@@ -202,23 +221,77 @@ def fmt_s(s: float) -> str:
     return f"{s}s"
 
 
-def render_plan(c: Campaign, plans: list[SetupPlan]) -> str:
-    lines = [f"campaign {c.name} ({c.device}): {len(c.setups)} setup(s), seed {c.seed}"]
-    variants = c.variants or []
-    total = 0.0
-    for p in plans:
+def total_estimate(plan: Plan) -> float:
+    """The whole run's estimate: every step that runs, once per variant."""
+    return sum(s.est_s for s in plan.steps) * max(1, len(plan.variants))
+
+
+def render_plan(plan: Plan) -> str:
+    lines = [f"campaign {plan.campaign} ({plan.device}): {len(plan.setups)} setup(s), seed {plan.seed}"]
+    for p in plan.setups:
         if not p.runs:
             lines.append(f"  {p.setup}: SKIPPED: {p.reason}")
             continue
-        est = sum(s.est_s for s in p.steps)
-        total += est
-        lives = " | ".join("+".join(n) for n in p.lives)
-        lines.append(f"  {p.setup}: ~{fmt_s(est)}  (engine lives: {lives})")
-        for s in p.steps:
-            lines.append(f"    - {s.what:40s} ~{fmt_s(s.est_s)}")
-    if variants:
-        lines.append(f"  x {len(variants)} variant(s): {', '.join(v.name for v in variants)} "
-                     f"(lab inventory parameters; each repeats the plan above)")
-        total *= len(variants)
-    lines.append(f"estimate: ~{fmt_s(total)} ({'CPU' if c.device == 'cpu' else 'GPU'} cost model; see plan.py)")
+        lives = " | ".join("+".join(life.scenarios) for life in p.lives)
+        lines.append(f"  {p.setup}: ~{fmt_s(sum(s.est_s for s in p.steps))}  (engine lives: {lives})")
+        for life in p.lives:
+            lines.append(f"    life {life.index + 1}: {'+'.join(life.scenarios)}")
+            for s in life.steps:
+                seed = f"  (seed {s.workload.seed}, {s.workload.step})" if s.workload else ""
+                lines.append(f"    - {s.what:40s} ~{fmt_s(s.est_s)}{seed}")
+    if plan.variants:
+        lines.append(
+            f"  x {len(plan.variants)} variant(s): {', '.join(plan.variants)} "
+            f"(lab inventory parameters; each repeats the plan above)"
+        )
+    lines.append(f"estimate: ~{fmt_s(total_estimate(plan))} ({plan.cost_model} cost model; see estimate.py)")
     return "\n".join(lines)
+
+
+def _json(v: Any) -> Any:
+    if isinstance(v, Path):
+        return str(v)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _json(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if isinstance(v, Mapping):
+        return {str(k): _json(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_json(x) for x in v]
+    return v
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    """The plan as the run folder records it (plan.json): each life's scenario specs once,
+    its steps in order without them."""
+
+    def life(x: Life) -> dict[str, Any]:
+        specs = {s.scenario: _json(s.spec) for s in x.steps if s.scenario}
+        steps = [
+            {k: v for k, v in _json(s).items() if k not in ("setup", "spec") and v is not None}
+            for s in x.steps
+        ]
+        return {
+            "index": x.index,
+            "scenarios": list(x.scenarios),
+            "engine": _json(x.engine),
+            "specs": specs,
+            "steps": steps,
+        }
+
+    return {
+        "schema": SCHEMA,
+        "campaign": plan.campaign,
+        "device": plan.device,
+        "seed": plan.seed,
+        "model": _json(plan.model),
+        "memory_interval_s": plan.memory_interval_s,
+        "files": [str(f) for f in plan.files],
+        "variants": list(plan.variants),
+        "cost_model": plan.cost_model,
+        "drives": _json(plan.drives),
+        "estimate_s": total_estimate(plan),
+        "setups": [
+            {"setup": p.setup, "runs": p.runs, "reason": p.reason, "lives": [life(x) for x in p.lives]}
+            for p in plan.setups
+        ],
+    }

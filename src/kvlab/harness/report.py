@@ -282,6 +282,43 @@ def memory_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     return out
 
 
+def drives_line(r: RunData) -> str:
+    d = r.summary.drives
+    if d is None:
+        return (f"{r.run_id}: the campaign declares no `drives`, so no drive writes per day or rated life "
+                "(docs/results-schema.md, *Campaign fields*).")
+    rating = f"{d.dwpd:g} DWPD" if d.dwpd is not None else f"{d.tbw:g} TBW each ({d.rated_dwpd:.2f} DWPD)"
+    return (f"{r.run_id}: drives declared by the campaign: {d.count} × {d.model or 'drive'} of {d.capacity_tb:g} TB, "
+            f"rated {rating} over {d.warranty_years:g} years; drive writes per day = bytes written per second of "
+            f"the scenario × 86400 ÷ their {d.count * d.capacity_tb:g} TB.")
+
+
+def years(v: float | None) -> str:
+    return "—" if v is None else f"{v:.3g}" if v >= 1000 else f"{v:.2f}"
+
+
+def wear_table(runs: list[RunData], cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
+    """Per setup and scenario: bytes its tier wrote to drives, against what was restored, and
+    what that rate would do to the declared drives."""
+    if not any(s.wear for _, s, _ in cols):
+        return ["No wear samples (a run from before kvlab.summary/4)."]
+    out = [drives_line(r) for r in runs]
+    out += ["", "| setup | scenario | counted by | written MiB | restored MiB | written ÷ restored | wall s "
+            "| written MB/s | drive writes/day | rated life, years |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, s, _ in cols:
+        for key, w in s.wear.items():
+            out.append(f"| {label} | {key} | {w.tier} | {mib(w.written_bytes)} | {mib(w.restored_bytes)} "
+                       f"| {f3(w.written_over_restored, 2)} | {f3(w.wall_s, 1)} "
+                       f"| {f3(None if w.write_bytes_per_s is None else w.write_bytes_per_s / 1e6, 2)} "
+                       f"| {'—' if w.drive_writes_per_day is None else f'{w.drive_writes_per_day:.3g}'} "
+                       f"| {years(w.rated_life_years)} |")
+    out += ["", "Counted by: `kvlab`, the connector's own `kvlab_written_bytes`; `files`, `/proc/PID/io` "
+            "write_bytes − cancelled_write_bytes of the engine's and cache server's processes (their logs "
+            "included); `none`, no drive tier (0 by definition). Restored: kvlab's bytes read, else vLLM's "
+            "external prefix-cache hit tokens × KV bytes per token. `all`: the setup's scenarios together."]
+    return out
+
+
 def predicted_tables(runs: list[RunData]) -> list[str]:
     """Per run: the planner fitted on the run's own restore and sweep cells (in-sample: it says
     how well fixed cost + bytes over an effective rate + the tail's compute describe the run,
@@ -525,6 +562,7 @@ def render(runs: list[RunData], out: Path) -> Path:
     lines += ["", "## Sweep: TTFT and throughput by input length", ""] + sweep_tables(cols)
     lines += ["", "## Agents: concurrent multi-turn sessions", ""] + agents_table(cols)
     lines += ["", "## Memory", ""] + memory_table(cols)
+    lines += ["", "## Wear: bytes written to drives", ""] + wear_table(runs, cols)
     lines += ["", "## Predicted against measured (the restore planner, in-sample)", ""] + predicted_tables(runs)
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Provenance", ""] + provenance_lines(runs)

@@ -2,6 +2,7 @@
 
 results/runs/<run-id>/
   campaign.yml        the campaign file as run (bytes unchanged)
+  plan.json           the plan it compiled to and ran (kvlab.plan/1): engine lives, steps, workloads, estimates
   provenance.json     written once: commit, versions, hardware, engine flags, hashes, seeds
   records.jsonl       one JSON object per request, memory sample and event; appended only
   report/             derived (`kvlab report RUN` regenerates it): summary.json, report.md, *.png
@@ -26,6 +27,7 @@ from kvlab.paths import repo_root
 RECORDS = "records.jsonl"
 PROVENANCE = "provenance.json"
 CAMPAIGN = "campaign.yml"
+PLAN = "plan.json"
 REPORT = "report"
 
 

@@ -1,10 +1,10 @@
-"""Run a campaign: per setup, its engine lives and scenarios; append-only records; progress."""
+"""Run a plan (kvlab.harness.plan, compiled from a campaign by kvlab.harness.compiler): per
+setup, its engine lives and each life's steps in order; append-only records; progress."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -12,47 +12,18 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvlab.bench import cachebw
 from kvlab.engines.local import EngineError, EngineServer
 from kvlab.harness import results, scenarios
-from kvlab.harness.campaign import Campaign, CampaignError
+from kvlab.harness.errors import InputError
 from kvlab.harness.memory import MemorySampler
-from kvlab.harness.plan import SetupPlan, Step, fmt_s, kv_bytes_per_token, lives_of, plan
-from kvlab.harness.sessions import sha256_file, workload
+from kvlab.harness.plan import EngineSpec, Life, ModelPlan, Plan, RestoreSpec, SetupPlan, fmt_s, plan_json
+from kvlab.harness.progress import Progress, note
+from kvlab.harness.sessions import sha256_file
+from kvlab.harness.wear import WearSampler, drives_record
 from kvlab.net import free_port
 from kvlab.paths import state_dir
 from kvlab.setups import registry as setups
-
-
-def note(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-class Progress:
-    """What runs now and how much is left: the plan's estimates, rescaled by the pace so far."""
-
-    def __init__(self, steps: list[Step]):
-        self.steps = list(steps)
-        self.i = 0
-        self.t0 = time.monotonic()
-        self.done_est = 0.0
-        self.total_est = sum(s.est_s for s in steps)
-
-    def advance(self, setup: str, what: str) -> None:
-        """The previous step is done; `what` (the plan's next step) runs now."""
-        if 0 < self.i <= len(self.steps):
-            self.done_est += self.steps[self.i - 1].est_s
-        self.i += 1
-        elapsed = time.monotonic() - self.t0
-        left_est = max(0.0, self.total_est - self.done_est)
-        pace = elapsed / self.done_est if self.done_est > 30 else 1.0
-        note(f"[{min(self.i, len(self.steps))}/{len(self.steps)} · {fmt_s(elapsed)} elapsed · "
-             f"~{fmt_s(left_est * pace)} left] {setup}: {what}")
-
-    def skip_setup(self, setup: str) -> None:
-        """A setup that failed: its remaining planned steps will not run."""
-        keep = self.steps[:self.i] + [s for s in self.steps[self.i:] if s.setup != setup]
-        self.total_est -= sum(s.est_s for s in self.steps[self.i:] if s.setup == setup)
-        self.steps = keep
 
 
 class Engines(Protocol):
@@ -79,74 +50,62 @@ class LocalEngines:
         return {"kind": "local"}
 
 
-def engine_params(c: Campaign, model: Path, served: str, work: Path, prefix_caching: bool,
-                  max_prompt: int) -> setups.EngineParams:
-    kvb = kv_bytes_per_token(c)
-    values: dict[str, Any] = {
-        "max_model_len": int(math.ceil((max_prompt + 1024) / 1024) * 1024),
-        "cpu_kv_cache_gib": max(2, math.ceil(max_prompt * kvb * 4 / (1 << 30))),
-    }
-    # A setup whose connector needs the whole prompt in one step (ExampleConnector) gets a
-    # batch that holds it, and so does every other setup: the flags stay identical.
-    if any(setups.get(s).needs_full_prompt_batch for s in c.setups):
-        values["max_num_batched_tokens"] = max(values["max_model_len"], 8192)
-    values.update(c.engine)
-    values["kv_store_paths"] = tuple(values.get("kv_store_paths", ())) or (str(work / "kvlab-store"),)
+def engine_params(e: EngineSpec, model: Path, served: str, work: Path) -> setups.EngineParams:
+    """A life's engine parameters on this host: the plan's, with the model, ports and work folders here."""
+    values = dict(e.values)
+    stores = tuple(values.pop("kv_store_paths", ())) or (str(work / "kvlab-store"),)
     return setups.EngineParams(
-        model=str(model), python=sys.executable, served_model_name=served, device=c.device,
+        model=str(model), python=sys.executable, served_model_name=served, device=e.device,
         port=free_port(), kv_metrics_port=free_port(), cache_server_port=free_port(),
         example_storage_path=str(work / "example-store"), cache_server_l2_path=str(work / "l2"),
-        enable_prefix_caching=prefix_caching, **{k: v for k, v in values.items() if k != "kv_store_paths"},
-        kv_store_paths=values["kv_store_paths"],
+        enable_prefix_caching=e.prefix_caching, **values, kv_store_paths=stores,
     )
 
 
-def resolve_model(c: Campaign) -> tuple[Path, str, dict[str, Any]]:
-    if c.model.tiny is not None:
-        from kvlab.model import ensure_tiny, tree_sha256
+def resolve_model(m: ModelPlan) -> tuple[Path, str, dict[str, Any]]:
+    if m.kind == "tiny":
+        from kvlab.model import TinyGeometry, ensure_tiny, tree_sha256
 
-        geometry = c.model.tiny.tiny_geometry()
-        path = ensure_tiny(seed=c.model.tiny.seed, geometry=geometry)
+        assert m.seed is not None
+        geometry = TinyGeometry(**(m.geometry or {}))
+        path = ensure_tiny(seed=m.seed, geometry=geometry)
         # the geometry is the planner's physical input (kv bytes per token, FLOPs per token)
-        return path, "tiny", {"kind": "tiny", "seed": c.model.tiny.seed, "path": str(path),
+        return path, "tiny", {"kind": "tiny", "seed": m.seed, "path": str(path),
                               "sha256": tree_sha256(path), "geometry": dataclasses.asdict(geometry),
                               "kv_bytes_per_token": geometry.kv_bytes_per_token}
-    assert c.model.path is not None
-    path = Path(c.model.path)
+    assert m.path is not None
+    path = Path(m.path)
     if not path.exists():
-        raise CampaignError(f"model.path {path}: no such folder on this host")
-    return path, c.model.served_name, {"kind": "path", "path": str(path)}
+        raise InputError(f"model.path {path}: no such folder on this host")
+    return path, m.served_name, {"kind": "path", "path": str(path)}
 
 
-def check_device(c: Campaign) -> None:
-    if c.device == "cuda":
+def check_device(p: Plan) -> None:
+    if p.device == "cuda":
         gpus = results.gpus()
         if not gpus:
-            raise CampaignError(f"campaign {c.name!r} runs on device 'cuda' and this host has no GPU: "
-                                "run it in the lab (inventory) or use `kvlab campaign plan` / `run --dry-run`")
+            raise InputError(f"campaign {p.campaign!r} runs on device 'cuda' and this host has no GPU: "
+                             "run it in the lab (inventory) or use `kvlab campaign plan` / `run --dry-run`")
 
 
-def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: Path,
-                 keep_stores: bool = False, engines: Engines | None = None) -> Path:
+def run_plan(plan: Plan, campaign_path: Path, campaign_sha: str, runs_dir: Path,
+             keep_stores: bool = False, engines: Engines | None = None) -> Path:
+    """Execute a compiled plan; the campaign file (its bytes and sha256) is only recorded."""
     engines = engines or LocalEngines()
-    check_device(c)
-    base = campaign_path.parent
-    plans = plan(c, base)
-    model, served, model_prov = resolve_model(c)
-    run_id = results.new_run_id(c.name)
+    check_device(plan)
+    model, served, model_prov = resolve_model(plan.model)
+    run_id = results.new_run_id(plan.campaign)
     writer = results.RunWriter(runs_dir, run_id)
     writer.write_once(results.CAMPAIGN, campaign_path.read_bytes())
-    max_prompt = c.max_prompt_tokens(base)
+    writer.write_once(results.PLAN, json.dumps(plan_json(plan), indent=2))
     work_root = state_dir() / "campaigns" / run_id
-    traces = {str(f.path): sha256_file(f.path) for f in c.files(base)}  # every file it refers to
+    traces = {str(f): sha256_file(f) for f in plan.files}  # every file it refers to
     engine_flags = {}
-    for p in plans:
+    for p in plan.setups:
         if not p.runs:
             continue
         try:
-            first_life = next((flag for flag, _ in lives_of(c, p.setup)), True)  # its prefix caching
-            d = engines.deployment(p.setup, engine_params(c, model, served, work_root / p.setup, first_life,
-                                                          max_prompt))
+            d = engines.deployment(p.setup, engine_params(p.lives[0].engine, model, served, work_root / p.setup))
         except setups.SetupError as e:
             engine_flags[p.setup] = {"error": str(e)}
         else:
@@ -156,26 +115,29 @@ def run_campaign(c: Campaign, campaign_path: Path, campaign_sha: str, runs_dir: 
             if hasattr(engines, "image"):  # engines run from an image: the digest each ran from
                 engine_flags[p.setup]["image"] = engines.image()
     prov = {
-        "schema": "kvlab.provenance/1", "run_id": run_id, "campaign": c.name,
+        "schema": "kvlab.provenance/1", "run_id": run_id, "campaign": plan.campaign,
         "campaign_sha256": campaign_sha, "campaign_path": str(campaign_path),
         **results.provenance(),
-        "model": model_prov, "seed": c.seed, "trace_sha256": traces, "engine": engine_flags,
+        "model": model_prov, "seed": plan.seed, "trace_sha256": traces, "engine": engine_flags,
         "engine_control": engines.describe(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "note": "engine ports are chosen free per engine life; argv shows the first life's",
     }
     writer.write_once(results.PROVENANCE, json.dumps(prov, indent=2, sort_keys=True))
     results.point_latest(runs_dir, run_id)
     writer.append(drive_limit(work_root))
-    steps = [s for p in plans if p.runs for s in p.steps]
-    progress = Progress(steps)
-    note(f"run {run_id}: {len(steps)} steps, estimate ~{fmt_s(progress.total_est)}; results in {writer.dir}")
+    writer.append(cachebw.cache_limit())  # the host's LLC and its read rates: the planner's CPU input
+    drives = drives_record(plan.drives)
+    if drives:
+        writer.append(drives)
+    progress = Progress(plan.steps)
+    note(f"run {run_id}: {len(plan.steps)} steps, estimate ~{fmt_s(progress.total_est)}; results in {writer.dir}")
     try:
-        for p in plans:
+        for p in plan.setups:
             if not p.runs:
                 writer.append({"kind": "skip", "setup": p.setup, "reason": p.reason})
                 note(f"{p.setup}: skipped: {p.reason}")
                 continue
-            run_setup(c, p, model, served, work_root / p.setup, max_prompt, writer, progress, base, engines)
+            run_setup(plan, p, model, served, work_root / p.setup, writer, progress, engines)
             if not keep_stores:
                 shutil.rmtree(work_root / p.setup, ignore_errors=True)
     finally:
@@ -205,69 +167,84 @@ def drive_limit(work_root: Path, size_mib: int = 256) -> dict[str, Any]:
     return rec
 
 
-def run_setup(c: Campaign, p: SetupPlan, model: Path, served: str, work: Path, max_prompt: int,
-              writer: results.RunWriter, progress: Progress, base: Path, engines: Engines) -> None:
+def run_setup(plan: Plan, p: SetupPlan, model: Path, served: str, work: Path, writer: results.RunWriter,
+              progress: Progress, engines: Engines) -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    sc = c.scenarios
-    for prefix_caching, names in lives_of(c, p.setup):
-        params = engine_params(c, model, served, work, prefix_caching, max_prompt)
-        try:
-            deployment = engines.deployment(p.setup, params)
-        except setups.SetupError as e:
-            writer.append({"kind": "skip", "setup": p.setup, "reason": str(e)})
-            note(f"{p.setup}: skipped: {e}")
+    for life in p.lives:
+        if not run_life(plan, life, model, served, work, writer, progress, engines):
             progress.skip_setup(p.setup)
             return
-        server = engines.server(deployment, writer.dir / "logs")
-        extra = (deployment.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
-        cm_url = f"http://127.0.0.1:{extra['metrics_port']}/metrics" if "metrics_port" in extra else None
-        sampler = MemorySampler(server.memory, c.memory.interval_s, writer.append, p.setup)
 
-        def restart(server: EngineServer = server, prefix_caching: bool = prefix_caching) -> float:
-            s = server.start(progress=True)
-            writer.append({"kind": "event", "event": "engine_start", "setup": p.setup, "seconds": s,
-                           "prefix_caching": prefix_caching, "pids": server.pids(), "t": time.time()})
-            return s
 
-        target = scenarios.Target(p.setup, server, served, cm_url, writer.append, note,
-                                  lambda ph, s=sampler: setattr(s, "phase", ph))
-        try:
-            progress.advance(p.setup, f"engine start (prefix caching {'on' if prefix_caching else 'off'})")
-            if sc.restore and "restore" in names and sc.restore.drop_page_cache:  # a cold first start too
-                target.drop_page_cache("the first engine start")
-            with sampler:
-                restart()
+def run_life(plan: Plan, life: Life, model: Path, served: str, work: Path, writer: results.RunWriter,
+             progress: Progress, engines: Engines) -> bool:
+    """A life's steps in order, on one engine configuration; False when the setup cannot go on."""
+    setup = life.setup
+    try:
+        deployment = engines.deployment(setup, engine_params(life.engine, model, served, work))
+    except setups.SetupError as e:
+        writer.append({"kind": "skip", "setup": setup, "reason": str(e)})
+        note(f"{setup}: skipped: {e}")
+        return False
+    server = engines.server(deployment, writer.dir / "logs")
+    extra = (deployment.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+    cm_url = f"http://127.0.0.1:{extra['metrics_port']}/metrics" if "metrics_port" in extra else None
+    sampler = MemorySampler(server.memory, plan.memory_interval_s, writer.append, setup)
+    prefix_caching = life.engine.prefix_caching
+
+    def restart() -> float:
+        s = server.start(progress=True)
+        writer.append({"kind": "event", "event": "engine_start", "setup": setup, "seconds": s,
+                       "prefix_caching": prefix_caching, "pids": server.pids(), "t": time.time()})
+        return s
+
+    target = scenarios.Target(setup, server, served, cm_url, writer.append, note,
+                              lambda ph: setattr(sampler, "phase", ph))
+    # Bytes written to drives, sampled at each scenario's start and end and around restarts.
+    wear = WearSampler(setup, setups.get(setup).drive_tier, plan.model.kv_bytes_per_token, server.pids,
+                       target.counters, target.connector_metrics, writer.append)
+    target.before_stop = wear.pause
+
+    def restart_counted() -> float:
+        s = restart()
+        wear.resume()
+        return s
+    start, *steps, stop = life.steps
+    assert start.kind == "engine-start" and stop.kind == "engine-stop", "a life starts and stops its engine"
+    try:
+        progress.advance(start)
+        restore = life.spec("restore")
+        if isinstance(restore, RestoreSpec) and restore.drop_page_cache:  # a cold first start too
+            target.drop_page_cache("the first engine start")
+        with sampler:
+            restart()
+            mode = target.io_mode()
+            writer.append({"kind": "io_mode", "setup": setup, "io_mode": mode})
+            # What the block-aligned hit shares round to (vLLM's CacheConfig, as served).
+            writer.append({"kind": "engine_config", "setup": setup, "block_size": target.block_size()})
+            unit: tuple[str | None, int | None] | None = None  # what wear counts apart: a scenario, each agents N
+            for step in steps:
+                progress.advance(step)
+                if (key := (step.scenario, step.arg if step.kind == "agents" else None)) != unit:
+                    if unit is not None:
+                        wear.close()
+                    wear.open(step.scenario or "", **({"concurrency": step.arg} if step.kind == "agents" else {}))
+                    unit = key
+                scenarios.run_step(target, step, plan.seed, restart_counted)
+            if unit is not None:
+                wear.close()
+            if mode is None:  # a connector may serve its metrics only once it has done I/O
                 mode = target.io_mode()
-                writer.append({"kind": "io_mode", "setup": p.setup, "io_mode": mode})
-                # What the block-aligned hit shares round to (vLLM's CacheConfig, as served).
-                writer.append({"kind": "engine_config", "setup": p.setup, "block_size": target.block_size()})
-                for name in names:
-                    if name == "restore":
-                        assert sc.restore
-                        scenarios.restore(target, sc.restore, c.seed, restart,
-                                          lambda w: progress.advance(p.setup, w))
-                    elif name == "sweep":
-                        assert sc.sweep
-                        scenarios.sweep(target, sc.sweep, c.seed, lambda w: progress.advance(p.setup, w))
-                    elif name == "agents":
-                        assert sc.agents
-                        for n in sc.agents.concurrency:
-                            progress.advance(p.setup, f"agents: N={n}")
-                            wl = workload(sc.agents.source, n, c.seed, f"agents-{n}", base)
-                            scenarios.agents(target, sc.agents, n, wl)
-                if mode is None:  # a connector may serve its metrics only once it has done I/O
-                    mode = target.io_mode()
-                    if mode is not None:
-                        writer.append({"kind": "io_mode", "setup": p.setup, "io_mode": mode})
-                sampler.phase = "stop"
-                progress.advance(p.setup, "engine stop")
-        except (EngineError, OSError) as e:
-            writer.append({"kind": "error", "setup": p.setup, "scenarios": names,
-                           "message": f"{type(e).__name__}: {e}"[-4000:]})
-            note(f"{p.setup}: failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-            progress.skip_setup(p.setup)
-            return
-        finally:
-            server.stop()
-
+                if mode is not None:
+                    writer.append({"kind": "io_mode", "setup": setup, "io_mode": mode})
+            sampler.phase = "stop"
+            progress.advance(stop)
+    except (EngineError, OSError) as e:
+        writer.append({"kind": "error", "setup": setup, "scenarios": list(life.scenarios),
+                       "message": f"{type(e).__name__}: {e}"[-4000:]})
+        note(f"{setup}: failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        return False
+    finally:
+        server.stop()
+    return True

@@ -4,6 +4,8 @@ restore: one long prompt computed, then restored after prefix-cache resets and a
 restarts (the first request after a restart is the measured one). sweep: context lengths x
 rounds of the same input. agents: N concurrent agents replaying sessions while new turns
 are written. The memory scenario is the sampler that runs through all of them.
+
+Each scenario runs as the plan's steps (kvlab.harness.plan): `run_step` does one, with its spec.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from typing import Any
 from kvlab.client import Completion, complete
 from kvlab.engines.local import EngineServer, metric_sum, parse_prometheus
 from kvlab.harness import metrics
-from kvlab.harness.campaign import AgentsScenario, RestoreScenario, SweepScenario
 from kvlab.harness.pagecache import drop_page_cache
-from kvlab.harness.sessions import TurnSpec, Workload, token_ids
+from kvlab.harness.plan import AgentsSpec, RestoreSpec, Step, SweepSpec
+from kvlab.harness.sessions import TurnSpec, Workload, token_ids, workload
 from kvlab_connector.counters import COUNTERS
 
 Sink = Callable[[dict[str, Any]], None]
@@ -64,6 +66,9 @@ class Target:
     note: Note
     set_phase: Callable[[str], None]
     _drop_refusals: set[str] = field(default_factory=set)
+    # Called before a scenario stops the engine (restart): the last moment its counters and
+    # processes can be read (the wear sampler's pause).
+    before_stop: Callable[[], None] = lambda: None
 
     def counters(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -242,57 +247,65 @@ def measured(t: Target, prompt: list[int] | tuple[int, ...], max_tokens: int, ba
 
 
 # ---- restore ---------------------------------------------------------------------------
-def restore(t: Target, sc: RestoreScenario, seed: int, restart: Callable[[], float],
-            step: Callable[[str], None]) -> None:
-    prompt = token_ids(f"{seed}:restore", sc.tokens)
-    base = {"scenario": "restore", "tokens": sc.tokens}
-    step("restore: compute")
+def restore_prompt(sc: RestoreSpec, seed: int) -> list[int]:
+    return token_ids(f"{seed}:restore", sc.tokens)
+
+
+def restore_compute(t: Target, sc: RestoreSpec, seed: int) -> None:
     t.set_phase("restore:compute")
     warm_up(t, sc, seed, 0)
-    c = measured(t, prompt, sc.output_tokens, {**base, "phase": "compute"}, phases=True)
+    c = measured(t, restore_prompt(sc, seed), sc.output_tokens,
+                 {"scenario": "restore", "tokens": sc.tokens, "phase": "compute"}, phases=True)
     if c:
         t.note(f"{t.setup}: computed {sc.tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
     time.sleep(sc.settle_s)  # saves are asynchronous: let the last writes land
-    if t.setup == sc.recompute_setup:
-        # The one recompute every setup's restores are set against: fresh prompts of the
-        # same length on a warm engine without a cache.
-        for i in range(sc.recompute_prompts):
-            fresh = token_ids(f"{seed}:restore:recompute{i}", sc.tokens)
-            c = measured(t, fresh, sc.output_tokens, {**base, "phase": "recompute", "repeat": i})
-            if c:
-                t.note(f"{t.setup}: recompute reference {i + 1}/{sc.recompute_prompts}: {c.ttft_s:.3f} s "
-                       f"(cached {c.cached_tokens})")
-    warm_repeats = sc.warm_repeats
-    if warm_repeats and sc.prefix_caching and not t.server.deployment.serves_dev_routes:
-        # Never through an open port: dev routes check no API key, so a network-bound engine has none.
-        why = (f"restore: the warm phase needs /reset_prefix_cache, which {t.setup}'s engine does not serve "
-               "(it binds a network address, so it runs without vLLM's dev mode): warm restores not measured; "
-               "bind the engine to 127.0.0.1 (vllm_server_host) to measure them")
-        t.sink({"kind": "error", "setup": t.setup, "scenarios": ["restore"], "message": why})
-        t.note(f"{t.setup}: {why}")
-        warm_repeats = 0
-    for i in range(warm_repeats):
-        step(f"restore: warm {i + 1}/{sc.warm_repeats}")
-        t.set_phase("restore:warm")
-        if sc.prefix_caching:  # without a prefix cache the running engine already has to restore
-            t.server.reset_prefix_cache()
-        c = measured(t, prompt, sc.output_tokens, {**base, "phase": "warm", "repeat": i}, phases=True)
-        if c:
-            t.note(f"{t.setup}: warm restore {c.ttft_s:.3f} s (cached {c.cached_tokens})")
-    for i in range(sc.restart_repeats):
-        step(f"restore: restart {i + 1}/{sc.restart_repeats}")
-        t.set_phase("restore:restart")
-        start_s, refused = restart_with_drop(t, restart, sc.drop_page_cache)
-        warm_up(t, sc, seed, i + 1)  # its prompt shares nothing with the restored one
-        drop = page_cache_fields(refused) if sc.drop_page_cache else {"page_cache_dropped": None}
-        c = measured(t, prompt, sc.output_tokens,
-                     {**base, "phase": "restart", "repeat": i, "engine_start_s": start_s, **drop}, phases=True)
-        if c:
-            t.note(f"{t.setup}: restore after restart {c.ttft_s:.3f} s (cached {c.cached_tokens})")
-        time.sleep(sc.settle_s)
 
 
-def warm_up(t: Target, sc: RestoreScenario, seed: int, life: int) -> None:
+def restore_recompute(t: Target, sc: RestoreSpec, seed: int) -> None:
+    """The one recompute every setup's restores are set against: fresh prompts of the same
+    length on a warm engine without a cache (on recompute_setup only)."""
+    for i in range(sc.recompute_prompts):
+        fresh = token_ids(f"{seed}:restore:recompute{i}", sc.tokens)
+        c = measured(t, fresh, sc.output_tokens, {"scenario": "restore", "tokens": sc.tokens, "phase": "recompute",
+                                                  "repeat": i})
+        if c:
+            t.note(f"{t.setup}: recompute reference {i + 1}/{sc.recompute_prompts}: {c.ttft_s:.3f} s "
+                   f"(cached {c.cached_tokens})")
+
+
+def restore_warm(t: Target, sc: RestoreSpec, seed: int, i: int) -> None:
+    if sc.prefix_caching and not t.server.deployment.serves_dev_routes:
+        if i == 0:  # said once, before the first warm restore
+            # Never through an open port: dev routes check no API key, so a network-bound engine has none.
+            why = (f"restore: the warm phase needs /reset_prefix_cache, which {t.setup}'s engine does not serve "
+                   "(it binds a network address, so it runs without vLLM's dev mode): warm restores not measured; "
+                   "bind the engine to 127.0.0.1 (vllm_server_host) to measure them")
+            t.sink({"kind": "error", "setup": t.setup, "scenarios": ["restore"], "message": why})
+            t.note(f"{t.setup}: {why}")
+        return
+    t.set_phase("restore:warm")
+    if sc.prefix_caching:  # without a prefix cache the running engine already has to restore
+        t.server.reset_prefix_cache()
+    c = measured(t, restore_prompt(sc, seed), sc.output_tokens,
+                 {"scenario": "restore", "tokens": sc.tokens, "phase": "warm", "repeat": i}, phases=True)
+    if c:
+        t.note(f"{t.setup}: warm restore {c.ttft_s:.3f} s (cached {c.cached_tokens})")
+
+
+def restore_restart(t: Target, sc: RestoreSpec, seed: int, i: int, restart: Callable[[], float]) -> None:
+    t.set_phase("restore:restart")
+    start_s, refused = restart_with_drop(t, restart, sc.drop_page_cache)
+    warm_up(t, sc, seed, i + 1)  # its prompt shares nothing with the restored one
+    drop = page_cache_fields(refused) if sc.drop_page_cache else {"page_cache_dropped": None}
+    c = measured(t, restore_prompt(sc, seed), sc.output_tokens,
+                 {"scenario": "restore", "tokens": sc.tokens, "phase": "restart", "repeat": i,
+                  "engine_start_s": start_s, **drop}, phases=True)
+    if c:
+        t.note(f"{t.setup}: restore after restart {c.ttft_s:.3f} s (cached {c.cached_tokens})")
+    time.sleep(sc.settle_s)
+
+
+def warm_up(t: Target, sc: RestoreSpec, seed: int, life: int) -> None:
     """An engine life's first request, unrelated to the restored prompt (recorded as `warmup`),
     so that no measured request pays for the engine's first one."""
     measured(t, token_ids(f"{seed}:restore:warmup{life}", sc.warmup_tokens), 1,
@@ -304,6 +317,7 @@ def restart_with_drop(t: Target, restart: Callable[[], float], drop: bool) -> tu
     """Restart the engine; with drop, the page cache is dropped while it is down. The start's
     seconds, and why the drop was refused (None: dropped, or not asked)."""
     server = t.server
+    t.before_stop()
     server.engine.stop()
     if server.companion and not server.deployment.companion_survives_engine_restart:
         server.companion.stop()
@@ -312,24 +326,22 @@ def restart_with_drop(t: Target, restart: Callable[[], float], drop: bool) -> tu
 
 
 # ---- sweep -----------------------------------------------------------------------------
-def sweep(t: Target, sc: SweepScenario, seed: int, step: Callable[[str], None]) -> None:
-    for length in sc.lengths:
-        prompt = token_ids(f"{seed}:sweep:{length}", length)
-        step(f"sweep: {length} tokens x {sc.rounds} rounds")
-        t.set_phase(f"sweep:{length}")
-        ttfts = []
-        for r in range(1, sc.rounds + 1):
-            drop = page_cache_fields(t.drop_page_cache("sweep rounds")) if sc.drop_page_cache else {}
-            c = measured(t, prompt, sc.output_tokens, {"scenario": "sweep", "length": length, "round": r, **drop})
-            if c:
-                ttfts.append(c.ttft_s)
-            time.sleep(sc.settle_s)
-        if ttfts:
-            t.note(f"{t.setup}: sweep {length}: first {ttfts[0]:.3f} s, last {ttfts[-1]:.3f} s")
+def sweep_length(t: Target, sc: SweepSpec, seed: int, length: int) -> None:
+    prompt = token_ids(f"{seed}:sweep:{length}", length)
+    t.set_phase(f"sweep:{length}")
+    ttfts = []
+    for r in range(1, sc.rounds + 1):
+        drop = page_cache_fields(t.drop_page_cache("sweep rounds")) if sc.drop_page_cache else {}
+        c = measured(t, prompt, sc.output_tokens, {"scenario": "sweep", "length": length, "round": r, **drop})
+        if c:
+            ttfts.append(c.ttft_s)
+        time.sleep(sc.settle_s)
+    if ttfts:
+        t.note(f"{t.setup}: sweep {length}: first {ttfts[0]:.3f} s, last {ttfts[-1]:.3f} s")
 
 
 # ---- agents ----------------------------------------------------------------------------
-def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
+def agents(t: Target, sc: AgentsSpec, n: int, wl: Workload) -> None:
     """N agents, each sending its turns in order (after its think time, or at its trace time)."""
     t.set_phase(f"agents:{n}")
     before = t.counters()
@@ -381,5 +393,31 @@ def agents(t: Target, sc: AgentsScenario, n: int, wl: Workload) -> None:
             "engine_cache_tokens": t.engine_cache_tokens(),
             "t_start": t0_wall, "turns": len(wl.turns), "frozen_threshold_s": sc.frozen_threshold_s,
             "hit_min_fraction": sc.hit_min_fraction, "counters": delta(t.counters(), before),
-            "answers": sc.source.generator.answers if sc.source.generator else None})
+            "answers": sc.answers})
     t.note(f"{t.setup}: {n} agents, {len(wl.turns)} turns in {wall:.1f} s")
+
+
+# ---- one step of the plan --------------------------------------------------------------
+def run_step(t: Target, step: Step, seed: int, restart: Callable[[], float]) -> None:
+    """A scenario's step of the plan, with its spec (engine start and stop are the runner's)."""
+    sc, i = step.spec, step.arg
+    if step.kind == "restore-compute":
+        assert isinstance(sc, RestoreSpec)
+        restore_compute(t, sc, seed)
+    elif step.kind == "restore-recompute":
+        assert isinstance(sc, RestoreSpec)
+        restore_recompute(t, sc, seed)
+    elif step.kind == "restore-warm":
+        assert isinstance(sc, RestoreSpec) and i is not None
+        restore_warm(t, sc, seed, i)
+    elif step.kind == "restore-restart":
+        assert isinstance(sc, RestoreSpec) and i is not None
+        restore_restart(t, sc, seed, i, restart)
+    elif step.kind == "sweep":
+        assert isinstance(sc, SweepSpec) and i is not None
+        sweep_length(t, sc, seed, i)
+    elif step.kind == "agents":
+        assert isinstance(sc, AgentsSpec) and i is not None and step.workload is not None
+        agents(t, sc, i, workload(step.workload))
+    else:
+        raise ValueError(f"step {step.kind!r} is not a scenario's: the runner starts and stops engines")

@@ -5,8 +5,9 @@ prompts share KV exactly where they share a prefix. Every turn knows how many of
 leading tokens an earlier request already computed (`reusable_tokens`): that is what a
 cache can return, and what the hit shares are measured against.
 
-The sources (GeneratorSource, MooncakeSource) are defined here, beside what they generate;
-the campaign names them and imports them from here, never the other way round.
+What a workload is made of comes from the plan (GeneratorSpec, MooncakeSpec, WorkloadSpec): the
+compiler builds them from the campaign's sources (kvlab.harness.campaign_sources); nothing here
+reads the campaign.
 """
 
 from __future__ import annotations
@@ -18,61 +19,53 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
-
-from kvlab.harness.campaign_base import CampaignError, CampaignFile, Strict, resolve_file
+from kvlab.harness.errors import InputError
 
 # Ids below 16 are left to special tokens; 8000 fits the tiny model's vocabulary and any real one.
 TOKEN_LOW, TOKEN_HIGH = 16, 8000
 
 
 
-# ---- the sources a campaign names (its `agents.source`) ---------------------------------
-class GeneratorSource(Strict):
-    """Seeded coding-agent-like sessions: a growing context, tool outputs, think time."""
+# ---- the workloads a plan names (compiled from a campaign's `agents.source`) ------------
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """Seeded coding-agent-like sessions (the campaign's GeneratorSource says what each field is)."""
 
-    turns: int = Field(6, ge=2)
-    system_tokens: int = Field(1024, ge=1)
-    first_user_tokens: int = Field(128, ge=1)
-    tool_output_tokens: tuple[int, int] = (256, 1024)
-    assistant_tokens: tuple[int, int] = Field(
-        (32, 128), description="length of each seeded reply (answers: seeded only)")
-    output_tokens: tuple[int, int] = (32, 128)
-    think_time_s: tuple[float, float] = (0.5, 2.0)
-    answers: Literal["seeded", "engine"] = Field(
-        "seeded", description="seeded: each next turn carries a seeded reply in place of the answer, so every "
-        "prompt is known before the run; engine: it carries the tokens the engine generated for the previous "
-        "turn, as an agent framework sends them back")
-
-    @field_validator("tool_output_tokens", "assistant_tokens", "output_tokens", "think_time_s")
-    @classmethod
-    def _range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if v[0] < 0 or v[0] > v[1]:
-            raise ValueError(f"a range is [low, high] with 0 <= low <= high, got {list(v)}")
-        return v
+    turns: int
+    system_tokens: int
+    first_user_tokens: int
+    tool_output_tokens: tuple[int, int]
+    assistant_tokens: tuple[int, int]
+    output_tokens: tuple[int, int]
+    think_time_s: tuple[float, float]
+    answers: Literal["seeded", "engine"]
 
 
-class MooncakeSource(Strict):
-    """A trace in the Mooncake format; equal hash ids become equal token blocks."""
+@dataclass(frozen=True)
+class MooncakeSpec:
+    """A slice of a Mooncake trace, its path resolved (the campaign's MooncakeSource says what each field is)."""
 
-    path: CampaignFile
-    start: int = Field(0, ge=0, description="first line replayed (0-based)")
-    limit: int = Field(50, ge=1, description="lines replayed")
-    block_tokens: int = Field(32, ge=1, description="tokens per hash id here (the trace's own: 512)")
-    trace_block_tokens: int = Field(512, ge=1)
-    time_scale: float = Field(0.1, ge=0, description="seconds here per second of the trace (timestamps are ms)")
-    max_output_tokens: int = Field(32, ge=1)
+    path: Path
+    start: int
+    limit: int
+    block_tokens: int
+    trace_block_tokens: int
+    time_scale: float
+    max_output_tokens: int
 
 
-class AgentSource(Strict):
-    generator: GeneratorSource | None = None
-    mooncake: MooncakeSource | None = None
+SourceSpec = GeneratorSpec | MooncakeSpec
 
-    @model_validator(mode="after")
-    def _one(self) -> AgentSource:
-        if (self.generator is None) == (self.mooncake is None):
-            raise ValueError("give exactly one of 'generator: {...}' or 'mooncake: {...}'")
-        return self
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """One agents step's workload: its source, how many agents, the seed and the step's name
+    (the key its seeded prompts derive from)."""
+
+    source: SourceSpec
+    agents: int
+    seed: int
+    step: str
 
 
 def token_ids(key: str, n: int) -> list[int]:
@@ -119,7 +112,7 @@ class Workload:
         return [t for a in self.agents for t in a]
 
 
-def coding_agent_sessions(src: GeneratorSource, n_agents: int, seed: int, step: str) -> Workload:
+def coding_agent_sessions(src: GeneratorSpec, n_agents: int, seed: int, step: str) -> Workload:
     """One session per agent: system prompt, a user request, then tool outputs appended each turn.
 
     The system prompt is shared by the step's agents (as a coding agent's is); turn k's
@@ -156,7 +149,7 @@ def coding_agent_sessions(src: GeneratorSource, n_agents: int, seed: int, step: 
     return Workload(tuple(agents))
 
 
-def generator_max_prompt_tokens(src: GeneratorSource) -> int:
+def generator_max_prompt_tokens(src: GeneratorSpec) -> int:
     # with answers: engine a reply is the previous turn's answer, of up to output_tokens
     reply = src.output_tokens[1] if src.answers == "engine" else src.assistant_tokens[1]
     return src.system_tokens + src.first_user_tokens + (src.turns - 1) * (reply + src.tool_output_tokens[1])
@@ -185,17 +178,13 @@ def read_mooncake(path: Path, start: int, limit: int) -> list[TraceRequest]:
                     out.append(TraceRequest(float(r["timestamp"]), int(r["input_length"]),
                                             int(r["output_length"]), tuple(int(h) for h in r["hash_ids"])))
                 except (ValueError, KeyError, TypeError) as e:
-                    raise CampaignError(f"{path}:{i + 1}: not a Mooncake record "
+                    raise InputError(f"{path}:{i + 1}: not a Mooncake record "
                                         f"(timestamp, input_length, output_length, hash_ids): {e}") from None
     except OSError as e:
-        raise CampaignError(f"{path}: cannot read the trace: {e.strerror}") from None
+        raise InputError(f"{path}: cannot read the trace: {e.strerror}") from None
     if not out:
-        raise CampaignError(f"{path}: no records from line {start}: lower 'start'")
+        raise InputError(f"{path}: no records from line {start}: lower 'start'")
     return out
-
-
-def trace_path(src: MooncakeSource, base: Path | None = None) -> Path:
-    return resolve_file(src.path, base)
 
 
 def sha256_file(path: Path) -> str:
@@ -206,14 +195,14 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def mooncake_workload(src: MooncakeSource, n_agents: int, seed: int, base: Path | None = None) -> Workload:
+def mooncake_workload(src: MooncakeSpec, n_agents: int, seed: int) -> Workload:
     """Replay a slice: equal hash ids become equal blocks of `block_tokens` ids.
 
     Lengths are scaled by block_tokens / trace_block_tokens; timestamps by time_scale. The
     requests go round-robin to n_agents workers, each sending its requests in order, none
     before its scaled timestamp: at most n_agents in flight.
     """
-    reqs = read_mooncake(trace_path(src, base), src.start, src.limit)
+    reqs = read_mooncake(src.path, src.start, src.limit)
     t0 = reqs[0].timestamp_ms
     seen: set[int] = set()
     per_agent: list[list[TurnSpec]] = [[] for _ in range(n_agents)]
@@ -240,15 +229,13 @@ def mooncake_workload(src: MooncakeSource, n_agents: int, seed: int, base: Path 
     return Workload(tuple(tuple(a) for a in per_agent))
 
 
-def workload(source: AgentSource, n_agents: int, seed: int, step: str, base: Path | None = None) -> Workload:
-    if source.generator is not None:
-        return coding_agent_sessions(source.generator, n_agents, seed, step)
-    assert source.mooncake is not None
-    return mooncake_workload(source.mooncake, n_agents, seed, base)
+def workload(spec: WorkloadSpec) -> Workload:
+    if isinstance(spec.source, GeneratorSpec):
+        return coding_agent_sessions(spec.source, spec.agents, spec.seed, spec.step)
+    return mooncake_workload(spec.source, spec.agents, spec.seed)
 
 
-def agent_max_prompt_tokens(source: AgentSource, base: Path | None = None) -> int:
-    if source.generator is not None:
-        return generator_max_prompt_tokens(source.generator)
-    assert source.mooncake is not None
-    return max(len(t.prompt) for t in mooncake_workload(source.mooncake, 1, 0, base).turns)
+def agent_max_prompt_tokens(source: SourceSpec) -> int:
+    if isinstance(source, GeneratorSpec):
+        return generator_max_prompt_tokens(source)
+    return max(len(t.prompt) for t in mooncake_workload(source, 1, 0).turns)

@@ -1,6 +1,6 @@
 """The summary of a run (`kvlab report RUN --summary-json`), derived from its raw records.
 
-Schema `kvlab.summary/3`, documented in docs/results-schema.md and validated by the
+Schema `kvlab.summary/4`, documented in docs/results-schema.md and validated by the
 pydantic models below. Times are medians (the sweep's: the mean of the chosen rounds,
 as the second seed averages); every median has its sample count beside it; a value is
 null where its scenario did not run for that setup.
@@ -14,9 +14,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvlab.harness import metrics
+from kvlab.harness import wear as wear_count
 from kvlab.harness.metrics import Turn
+from kvlab.wear import Drives
 
-SCHEMA = "kvlab.summary/3"
+SCHEMA = "kvlab.summary/4"
 
 
 class _M(BaseModel):
@@ -96,6 +98,41 @@ class MemorySource(_M):
     cache_server: str | None = None
 
 
+class WearPoint(_M):
+    """What one scenario (or `all` of them) of a setup wrote to drives, and what that rate
+    does to the campaign's declared drives."""
+
+    tier: str = Field(description="how the tier's writes are counted: kvlab (its counters), files "
+                      "(/proc/PID/io of the engine's and cache server's processes), none (no drive tier: 0)")
+    written_bytes: float | None = Field(description="bytes the tier wrote to drives; null: not counted")
+    restored_bytes: float | None = Field(
+        description="bytes restored: kvlab's bytes read, else external prefix-cache hit tokens x KV bytes/token")
+    written_over_restored: float | None = Field(description="written / restored; null where nothing was restored")
+    wall_s: float | None = Field(description="the scenario's wall time, first sample to last")
+    write_bytes_per_s: float | None
+    drive_writes_per_day: float | None = Field(
+        description="write_bytes_per_s x 86400 / the declared drives' capacity; null without drives")
+    rated_life_years: float | None = Field(
+        description="years the drives' rated writes last at this rate; null without drives or writes")
+    drive_written_bytes: dict[str, float] | None = Field(None, description="kvlab: bytes written per drive path")
+    process_written_bytes: float | None = Field(
+        None, description="/proc/PID/io write_bytes - cancelled_write_bytes of the engine's and cache server's "
+        "process trees, every setup (logs included)")
+    segments: int = Field(0, description="open..close sample pairs counted (one more per engine restart)")
+
+
+class DrivesDeclared(_M):
+    """The campaign's `drives`: what the projection divides by."""
+
+    model: str | None = None
+    count: int
+    capacity_tb: float
+    dwpd: float | None = None
+    tbw: float | None = None
+    warranty_years: float
+    rated_dwpd: float = Field(description="dwpd, or tbw / (capacity_tb x 365 x warranty_years)")
+
+
 class SetupSummary(_M):
     skipped: str | None = None
     errors: list[str] = Field(default_factory=list)
@@ -121,6 +158,8 @@ class SetupSummary(_M):
     peak_pinned_bytes: PeakMemory
     memory_samples: int
     memory_source: MemorySource | None = None
+    wear: dict[str, WearPoint] = Field(
+        default_factory=dict, description="per scenario (restore, sweep, agents:N) and `all`: bytes written")
 
 
 class RecomputeReference(_M):
@@ -176,6 +215,7 @@ class Summary(_M):
     recompute_reference: RecomputeReference | None = None
     setups: dict[str, SetupSummary]
     predicted: PredictedCheck | None = Field(None, description="the restore planner, fitted on this run (in-sample)")
+    drives: DrivesDeclared | None = Field(None, description="the campaign's drives (null: none declared)")
 
 
 def _med(xs: list[float]) -> float | None:
@@ -229,8 +269,26 @@ def agents_load_fields(step: dict[str, Any]) -> dict[str, Any]:
             "saves_dropped": (step.get("counters") or {}).get("connector_saves_dropped")}
 
 
+def wear_points(recs: list[dict], drives: Drives | None) -> dict[str, WearPoint]:
+    """A setup's bytes written per scenario and over all of them, from its wear samples."""
+    counts = wear_count.count(recs)
+    out = {k: WearPoint(**wear_count.figures(c, drives)) for k, c in counts.items()}
+    all_ = wear_count.total(counts)
+    if all_ is not None:
+        out["all"] = WearPoint(**wear_count.figures(all_, drives))
+    return out
+
+
+def drives_declared(d: Drives | None) -> DrivesDeclared | None:
+    if d is None:
+        return None
+    return DrivesDeclared(model=d.model, count=d.count, capacity_tb=d.capacity_tb, dwpd=d.dwpd, tbw=d.tbw,
+                          warranty_years=d.warranty_years, rated_dwpd=d.rated_dwpd)
+
+
 def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
-                    avg_rounds: tuple[int, int] | None, reference: RecomputeReference | None = None) -> SetupSummary:
+                    avg_rounds: tuple[int, int] | None, reference: RecomputeReference | None = None,
+                    drives: Drives | None = None) -> SetupSummary:
     skipped = next((r["reason"] for r in recs if r.get("kind") == "skip"), None)
     errors = [r["message"].splitlines()[0][:300] for r in recs if r.get("kind") == "error"]
     req = [r for r in recs if r.get("kind") == "request"]
@@ -330,6 +388,7 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
         peak_pinned_bytes=PeakMemory(engine=peak("engine_pinned_bytes"), cache_server=peak("cache_server_pinned_bytes")),
         memory_samples=len(mem),
         memory_source=MemorySource(engine=sources("engine"), cache_server=sources("cache_server")) if mem else None,
+        wear=wear_points(recs, drives),
     )
 
 
@@ -363,16 +422,17 @@ def summarize(records: list[dict], setup_order: list[str], run_id: str | None = 
     names = [s for s in setup_order if s in by_setup] + [s for s in by_setup if s not in setup_order]
     out: dict[str, SetupSummary] = {}
     ref = recompute_reference(records)
+    drives = wear_count.drives_of(records)
     # baseline first: the others' improvement factors divide by it
     if "baseline" in by_setup:
-        out["baseline"] = summarize_setup("baseline", by_setup["baseline"], None, avg_rounds, ref)
+        out["baseline"] = summarize_setup("baseline", by_setup["baseline"], None, avg_rounds, ref, drives)
     for s in names:
         if s != "baseline":
-            out[s] = summarize_setup(s, by_setup[s], out.get("baseline"), avg_rounds, ref)
+            out[s] = summarize_setup(s, by_setup[s], out.get("baseline"), avg_rounds, ref, drives)
     ordered = {s: out[s] for s in names}
     predicted = predicted_check(records, provenance, avg_rounds) if provenance is not None else None
     return Summary(schema=SCHEMA, run_id=run_id, campaign=campaign, recompute_reference=ref, setups=ordered,
-                   predicted=predicted)
+                   predicted=predicted, drives=drives_declared(drives))
 
 
 def to_json_obj(s: Summary) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvlab.planner.geometry import Geometry
 from kvlab.planner.node import Node
+from kvlab.wear import Drives, wear
 
 BYTES_PER_PARAM = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -35,7 +36,8 @@ def bill(g: Geometry, node: Node, dtype: str | None, tp: int, b: BillInputs, wit
     gpu_tokens = int(free // per_gpu_token) if free > 0 else 0
     nvme_bytes = node.drives * node.drive.capacity_tb * 1e12
     writes_day = b.save_tokens_s * per_token * 86400
-    dwpd = writes_day / nvme_bytes if nvme_bytes else None
+    worn = (wear(writes_day, Drives(count=node.drives, capacity_tb=node.drive.capacity_tb, dwpd=node.drive.dwpd))
+            if nvme_bytes else None)
     out = {
         "gpu_cache_tokens": gpu_tokens,
         "gpu_cache_note": (
@@ -53,8 +55,9 @@ def bill(g: Geometry, node: Node, dtype: str | None, tp: int, b: BillInputs, wit
         "staging_ring_bytes": b.ring_bytes,
         "save_tokens_s": b.save_tokens_s,
         "drive_write_bytes_per_day": writes_day,
-        "drive_writes_per_day_needed": dwpd,
+        "drive_writes_per_day_needed": worn.drive_writes_per_day if worn else None,
         "drive_writes_per_day_rated": node.drive.dwpd,
+        "drive_rated_life_years": worn.rated_life_years if worn else None,
         "drive_write_gbps_needed": b.save_tokens_s * per_token / 1e9,
         "drive_write_gbps_available": node.drives * node.drive.write_gbps,
     }

@@ -2,7 +2,9 @@
 setup and length.
 
 Physical inputs come from the run, never from the fit: the model's geometry (provenance),
-the drive's fio limit on the stores' filesystem (a `drive_limit` record). Free constants:
+the drive's fio limit on the stores' filesystem (a `drive_limit` record), a CPU node's LLC and
+its read rates (a `cache_limit` record: the prefill's KV reads beyond the LLC, recompute.py).
+Free constants:
 - the prefill curve (fixed cost, per-token cost, effective FLOP/s) on the recompute
   setup's requests (no cache: baseline) and the restore scenario's recompute reference;
 - per setup and tier (the sweep's hits; the restore's warm and restart restores): a fixed
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +30,7 @@ import yaml
 from kvlab.planner.fit import nnls, relative_interval
 from kvlab.planner.geometry import Geometry
 from kvlab.planner.presets import tiny_geometry
-from kvlab.planner.recompute import PrefillCurve
+from kvlab.planner.recompute import CacheLimit, PrefillCurve
 from kvlab.planner.restore import overlap
 
 
@@ -42,6 +45,8 @@ class Point:
     tokens: int
     cached: int
     ttft_s: float
+    t_start: float | None = None
+    t_end: float | None = None
 
 
 @dataclass
@@ -72,6 +77,8 @@ class Calibration:
     recompute_setups: list[str]
     tiers: dict[tuple[str, str], TierFit] = field(default_factory=dict)
     measured: dict[tuple[str, str, int], float] = field(default_factory=dict)  # (setup, tier, n) -> mean TTFT
+    # (setup, tier, n) -> the share of its requests' time a runnable task waited for a CPU (PSI)
+    pressure: dict[tuple[str, str, int], float] = field(default_factory=dict)
 
     def predict(self, setup: str, tier: str, n: int) -> tuple[float, float | None, TierFit | None]:
         """Predicted TTFT, the restored share (None: a recompute) and the fit used."""
@@ -155,8 +162,35 @@ def points(records: list[dict[str, Any]], avg: tuple[int, int] | None) -> list[P
             tier = r["phase"]
         else:
             continue
-        out.append(Point(r["setup"], tier, n, int(r.get("cached_tokens") or 0), float(r["ttft_s"])))
+        cached = int(r.get("cached_tokens") or 0)
+        out.append(Point(r["setup"], tier, n, cached, float(r["ttft_s"]), r.get("t_start"), r.get("t_end")))
     return out
+
+
+CONTENDED = 0.25  # a cell whose requests saw runnable tasks wait for a CPU a quarter of the time
+
+
+def cpu_pressure(records: list[dict[str, Any]], ps: list[Point]) -> float | None:
+    """The share of the points' time during which a runnable task waited for a CPU: the growth
+    of the kernel's CPU pressure (the memory samples' `cpu_pressure_some_us`) between the samples
+    around each request, summed over the points; None where the run recorded none. A quiet host
+    shows little; other work on the engine's cores shows as much as it delayed."""
+    samples = sorted(
+        (float(r["t"]), int(r["cpu_pressure_some_us"]))
+        for r in records
+        if r.get("kind") == "memory" and r.get("cpu_pressure_some_us") is not None and r.get("t")
+    )
+    ts = [t for t, _ in samples]
+    waited = span = 0.0
+    for p in ps:
+        if p.t_start is None or p.t_end is None:
+            continue
+        i, j = bisect_right(ts, p.t_start) - 1, bisect_left(ts, p.t_end)
+        if i < 0 or j >= len(ts) or ts[j] <= ts[i]:
+            continue
+        waited += (samples[j][1] - samples[i][1]) / 1e6
+        span += ts[j] - ts[i]
+    return waited / span if span else None
 
 
 def _means(ps: list[Point]) -> list[tuple[int, int, float, list[float]]]:
@@ -178,7 +212,24 @@ def _means(ps: list[Point]) -> list[tuple[int, int, float, list[float]]]:
     return out
 
 
-def fit_prefill(g: Geometry, ps: list[Point], source: str) -> tuple[PrefillCurve, tuple[float, float] | None]:
+def cache_limit_of(records: list[dict[str, Any]]) -> CacheLimit | None:
+    """The run's measured caches (None: no `cache_limit` record, or one that could not measure)."""
+    r = next((r for r in records if r.get("kind") == "cache_limit"), None)
+    if not r or r.get("error") or not r.get("llc_gbps") or not r.get("dram_gbps"):
+        return None
+    return CacheLimit(
+        int(r.get("effective_llc_bytes") or r["llc_bytes"]),
+        float(r["llc_gbps"]),
+        float(r["dram_gbps"]),
+        int(r.get("l2_bytes") or 1 << 20),
+    )
+
+
+def fit_prefill(
+    g: Geometry, ps: list[Point], source: str, memory: CacheLimit | None = None
+) -> tuple[PrefillCurve, tuple[float, float] | None]:
+    """Fixed, per-token and FLOP/s on the recompute points; the DRAM reads beyond the LLC are
+    physics (measured rates), taken off each point before the fit, never fitted."""
     means = _means(ps)
     if not means:
         raise CalibrationError(
@@ -186,9 +237,13 @@ def fit_prefill(g: Geometry, ps: list[Point], source: str) -> tuple[PrefillCurve
             "e.g. baseline, in the sweep or the restore's recompute reference)"
         )
     rows = [[1.0, float(n), g.prefill_flops(n)] for n, _, _, _ in means]
-    fixed, per_token, inv_rate = nnls(rows, [t for *_, t, _ in means], [1 / t**2 for *_, t, _ in means])
+    mem = memory.memory_s if memory else (lambda g, n, start=0: 0.0)
+    y = [t - mem(g, n) for n, _, t, _ in means]
+    fixed, per_token, inv_rate = nnls(rows, y, [1 / t**2 for *_, t, _ in means])
     # no attention measured (too few lengths): every second of work is per-token
-    curve = PrefillCurve(1 / inv_rate if inv_rate > 0 else math.inf, per_token, fixed, f"fitted on {source}")
+    curve = PrefillCurve(
+        1 / inv_rate if inv_rate > 0 else math.inf, per_token, fixed, f"fitted on {source}", memory
+    )
     pred = [curve.time(g, p.tokens) for p in ps]
     return curve, relative_interval(pred, [p.ttft_s for p in ps])
 
@@ -250,7 +305,7 @@ def calibrate_records(
     pre = [p for p in ps if p.setup in recompute or p.tier == "recompute"]
     if not pre:  # no setup without a cache: every full compute the run timed, first rounds too
         pre = [p for p in points(records, None) if p.cached == 0]
-    curve, interval = fit_prefill(g, pre, run)
+    curve, interval = fit_prefill(g, pre, run, cache_limit_of(records))
     drive = next((r.get("read_gbps") for r in records if r.get("kind") == "drive_limit"), None)
     cal = Calibration(run, g, g.kv_bytes_per_token(), drive, curve, interval, len(pre), recompute)
     groups: dict[tuple[str, str], list[Point]] = defaultdict(list)
@@ -265,6 +320,13 @@ def calibrate_records(
     for s in recompute:
         for n, _, t, _ in _means(by_setup[s]):
             cal.measured[(s, "sweep", n)] = t
+    cells_points: dict[tuple[str, str, int], list[Point]] = defaultdict(list)
+    for p in ps:
+        cells_points[(p.setup, "sweep" if p.setup in recompute else p.tier, p.tokens)].append(p)
+    for key, xs in cells_points.items():
+        share = cpu_pressure(records, xs)
+        if share is not None:
+            cal.pressure[key] = share
     return cal
 
 
@@ -306,5 +368,7 @@ def cells(cal: Calibration, tokens: list[int] | None) -> list[dict[str, Any]]:
                 if m is not None:
                     cell["measured_ttft_s"] = m
                     cell["error"] = p / m - 1
+                    if (setup, tier, n) in cal.pressure:
+                        cell["cpu_pressure"] = cal.pressure[(setup, tier, n)]
                 out.append(cell)
     return out

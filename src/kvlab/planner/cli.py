@@ -11,7 +11,7 @@ from pathlib import Path
 from kvlab.planner import node as node_mod
 from kvlab.planner import restore as restore_mod
 from kvlab.planner.bill import BillInputs
-from kvlab.planner.calibrate import CalibrationError, calibrate, cells
+from kvlab.planner.calibrate import CONTENDED, CalibrationError, calibrate, cells
 from kvlab.planner.geometry import DTYPE_BYTES
 from kvlab.planner.modelconfig import ModelError, resolve
 from kvlab.planner.predict import SCHEMA, Ask, answer
@@ -132,6 +132,16 @@ def _calibrated(args: argparse.Namespace) -> int:
             f"prefill {cal.prefill.source}, {cal.prefill_points} requests)",
         )
     )
+    busy = [c for c in cs if c.get("cpu_pressure", 0.0) > CONTENDED]
+    if busy:
+        print(
+            f"  measured while other work wanted the CPUs (runnable tasks waited > {CONTENDED:.0%} of the time): "
+            + ", ".join(f"{c['setup']} {c['tokens']:,} ({c['cpu_pressure']:.0%})" for c in busy)
+        )
+    print(f"  prefill regime: {cal.prefill.regime()}")
+    if cal.prefill.memory:
+        longest = max([n for _, _, n in cal.measured] + list(args.tokens or []))
+        print(f"  {cal.prefill.memory.describe(cal.geometry, longest)}")
     for t in cal.tiers.values():
         print(
             f"  {t.setup} {t.tier}: fixed {t.fixed_s:.3f} s, effective {t.gbps or 0:.2f} GB/s of restored KV "

@@ -46,6 +46,8 @@ def table(ans: dict[str, Any]) -> str:
             f" {b['drive_writes_per_day_needed'] or 0:.2f} drive writes/day against {b['drive_writes_per_day_rated']}"
             f" rated; {b['drive_write_gbps_needed']:.2f} of {b['drive_write_gbps_available']:.1f} GB/s",
         ]
+        if b.get("drive_rated_life_years") is not None:
+            lines.append(f"  the drives' rated writes last {b['drive_rated_life_years']:.2f} years at this rate")
         for k in ("dram_cost", "nvme_cost_for_working_set"):
             if k in b:
                 lines.append(f"  {k.replace('_', ' ')}: {b[k]:,.2f}")

@@ -195,13 +195,17 @@ def _fs_l2(p: EngineParams) -> dict[str, Any]:
 # ---- the registry entries -----------------------------------------------------------
 # In-process: (name, what LMCache keeps where); on CPU both run under the guard.
 _INPROCESS_SETUPS = (
-    ("lmcache-cpu", "KV offloaded to DRAM", _cpu_env),
-    ("lmcache-disk", "local disk backend (non-GDS) under a DRAM buffer", _disk_env),
+    ("lmcache-cpu", "KV offloaded to DRAM", _cpu_env, "none"),
+    ("lmcache-disk", "local disk backend (non-GDS) under a DRAM buffer", _disk_env, "files"),
 )
+def _no_l2(p: EngineParams) -> None:
+    return None
+
+
 # MP mode: (name, description, the L2 under the L1, cache server outlives engine restarts)
 _MP_SETUPS: tuple[tuple[str, str, Callable[[EngineParams], dict[str, Any] | None], bool], ...] = (
     ("lmcache-mp", "LMCache MP cache server, L1 in DRAM with the retain policy; restarts with the engine",
-     lambda p: None, False),
+     _no_l2, False),
     ("lmcache-mp+fs", "LMCache MP cache server, L1 in DRAM over LMCache's own fs L2", _fs_l2, False),
     ("lmcache-mp+kvlab", "LMCache MP cache server, L1 in DRAM over kvlab's store as L2 (the two-tier setup)",
      kvlab_l2_spec, False),
@@ -219,8 +223,9 @@ SETUPS: tuple[Setup, ...] = (
             devices=("cpu", "cuda"),
             kv_transfer=_inprocess_kv,
             extra_env=env,
+            drive_tier=tier,
         )
-        for name, what, env in _INPROCESS_SETUPS
+        for name, what, env, tier in _INPROCESS_SETUPS
     ),
     Setup(
         name="lmcache-gds",
@@ -228,6 +233,7 @@ SETUPS: tuple[Setup, ...] = (
         devices=("cuda",),
         kv_transfer=_inprocess_kv,
         extra_env=_gds_env,
+        drive_tier="files",
     ),
     *(
         Setup(
@@ -237,6 +243,8 @@ SETUPS: tuple[Setup, ...] = (
             kv_transfer=_mp_kv,
             companion=lambda p, l2=l2: cache_server(p, l2(p)),
             companion_survives_engine_restart=survives,
+            # an L2 under the L1 writes files inside the cache server (kvlab's store too)
+            drive_tier="none" if l2 is _no_l2 else "files",
         )
         for name, description, l2, survives in _MP_SETUPS
     ),

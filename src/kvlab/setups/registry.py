@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # Every engine gets the same kv_load_failure_policy: a missing or corrupt object must be
 # recomputed, never fail the request (and kvlab's connector refuses to start otherwise).
@@ -125,6 +125,10 @@ class Setup:
     extra_env: Callable[[EngineParams], dict[str, str]] = lambda p: {}
     # Setups whose connector needs the whole prompt in one step (ExampleConnector).
     needs_full_prompt_batch: bool = False
+    # What its KV tier writes to drives, and how a campaign counts it (kvlab.harness.wear):
+    # "none" (no drive tier: recompute or DRAM), "kvlab" (kvlab's connector counters),
+    # "files" (files its engine or cache server writes: their processes' /proc/PID/io).
+    drive_tier: Literal["none", "kvlab", "files"] = "none"
 
     def render(self, params: EngineParams) -> Deployment:
         if params.device not in self.devices:
@@ -351,6 +355,7 @@ register(Setup(
     description="kvlab's connector alone: KV on the drives, no DRAM tier",
     devices=("cpu", "cuda"),
     kv_transfer=_kvlab_kv,
+    drive_tier="kvlab",
 ))
 register(Setup(
     name="vllm-example",
@@ -358,6 +363,7 @@ register(Setup(
     devices=("cpu", "cuda"),
     kv_transfer=_example_kv,
     needs_full_prompt_batch=True,
+    drive_tier="files",
 ))
 
 

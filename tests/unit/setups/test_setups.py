@@ -186,7 +186,7 @@ def test_the_lab_leaves_io_threads_to_the_connector(group: str, tmp_path) -> Non
     from kvlab_connector.config import ConnectorConfig
     from kvlab_connector.store.store import Store
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     values = yaml.safe_load((root / f"inventories/lab/group_vars/{group}/main.yml").read_text())
     drives = tuple(str(tmp_path / f"nvmeof{i}") for i in range(4))
     mapping = {"model": "/m", "device": "cuda", "kv_store_paths": drives} | values["vllm_server_engine_params"]

@@ -33,7 +33,7 @@ from kvlab.setups import registry as setups
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ROLE = ROOT / "roles" / "vllm_server"
 SETUPS = sorted(setups.REGISTRY)
 CAMPAIGN = ROOT / "campaigns" / "embedded.yml"
