@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -348,7 +349,8 @@ def test_node_discovers_connects_and_mounts_its_namespaces(lab_plan: Path, host:
     assert (root / "etc/modules-load.d/kvlab-nvmeof.conf").read_text().strip().endswith("nvme-rdma")
     unit = (root / "etc/systemd/system/kvlab-nvmeof-connect.service").read_text()
     assert "After=network-online.target" in unit and "Before=remote-fs-pre.target" in unit
-    assert "ExecStart=/usr/sbin/nvme connect --config /etc/nvme/config.json" in unit
+    assert "ExecStart=/usr/local/sbin/kvlab-nvmeof-connect" in unit
+    assert os.access(root / "usr/local/sbin/kvlab-nvmeof-connect", os.X_OK)
     [mine] = [e for e in exports() if e["node"] == host]
     fstab = [ln.split() for ln in (root / "etc/fstab").read_text().splitlines() if ln.strip()]
     assert [(f[0], f[1], f[2]) for f in fstab] == [
