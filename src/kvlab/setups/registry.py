@@ -59,6 +59,8 @@ class EngineParams:
     kv_io_threads: int | None = None  # requests in flight over ALL drives (default: 8 per drive)
     kv_load_timeout_s: float | None = None
     kv_metrics_port: int | None = None
+    kv_admission: str | None = None  # always | reused (kvlab_connector.admission)
+    kv_write_budget_bytes_per_day: int | None = None
     # vLLM's ExampleConnector keeps one folder of safetensors files.
     example_storage_path: str = ""
     # Companion cache servers (LMCache MP) listen here.
@@ -241,6 +243,8 @@ CONNECTOR_KEYS = {
     "kv_io_threads": "io_threads",
     "kv_load_timeout_s": "load_timeout_s",
     "kv_metrics_port": "metrics_port",
+    "kv_admission": "admission",
+    "kv_write_budget_bytes_per_day": "write_budget_bytes_per_day",
 }
 
 
@@ -355,6 +359,14 @@ register(Setup(
     description="kvlab's connector alone: KV on the drives, no DRAM tier",
     devices=("cpu", "cuda"),
     kv_transfer=_kvlab_kv,
+    drive_tier="kvlab",
+))
+register(Setup(
+    name="kvlab-reused",
+    description="kvlab's connector saving only what returns: an object is written the second time its key "
+                "comes (admission: reused), so a prompt seen once never reaches the drives",
+    devices=("cpu", "cuda"),
+    kv_transfer=lambda p: _kvlab_kv(p.with_(kv_admission="reused")),
     drive_tier="kvlab",
 ))
 register(Setup(

@@ -22,7 +22,7 @@ def kv_config(d: setups.Deployment) -> dict | None:
     return json.loads(argv[argv.index("--kv-transfer-config") + 1])
 
 
-@pytest.mark.parametrize("name", ["baseline", "kvlab", "vllm-example"])
+@pytest.mark.parametrize("name", ["baseline", "kvlab", "kvlab-reused", "vllm-example"])
 def test_every_setup_renders_on_cpu(name: str) -> None:
     d = setups.render(name, params())
     assert d.engine.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
@@ -37,6 +37,13 @@ def test_kvlab_setup_passes_its_drives_and_recompute_policy() -> None:
     assert kv["kv_load_failure_policy"] == "recompute"
     assert kv["kv_connector_extra_config"]["paths"] == ["/mnt/a", "/mnt/b"]
     assert kv["kv_connector_extra_config"]["ring_bytes"] == 1 << 30
+
+
+def test_kvlab_reused_differs_from_kvlab_only_in_its_admission() -> None:
+    extra = {n: kv_config(setups.render(n, params()))["kv_connector_extra_config"] for n in ("kvlab", "kvlab-reused")}
+    assert "admission" not in extra["kvlab"], "kvlab leaves admission to the connector's default (always)"
+    assert extra["kvlab-reused"] == extra["kvlab"] | {"admission": "reused"}
+    assert setups.get("kvlab-reused").drive_tier == "kvlab", "its writes are counted from the connector's counters"
 
 
 def test_setups_differ_only_in_their_kv_transfer() -> None:
@@ -140,7 +147,8 @@ def test_a_deployment_that_sets_no_connector_setting_sends_none() -> None:
 
 
 SET_VALUES = {"kv_store_capacity_bytes": 1 << 40, "kv_ring_bytes": 1 << 30, "kv_chunk_tokens": 256,
-              "kv_io_threads": 5, "kv_load_timeout_s": 2.5, "kv_metrics_port": 9100}
+              "kv_io_threads": 5, "kv_load_timeout_s": 2.5, "kv_metrics_port": 9100,
+              "kv_admission": "reused", "kv_write_budget_bytes_per_day": 10**12}
 
 
 @pytest.mark.parametrize("field", sorted(setups.CONNECTOR_KEYS))
