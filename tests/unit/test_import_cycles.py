@@ -117,4 +117,4 @@ def test_the_registry_is_whole_whichever_module_is_imported_first(first: str) ->
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["11", "True"]
+    assert r.stdout.split() == ["12", "True"]
