@@ -32,6 +32,7 @@ def small(tmp: Path) -> Path:
     ag["source"]["generator"] |= {
         "turns": 3,
         "system_tokens": 256,
+        "first_user_tokens": 64,
         "tool_output_tokens": [128, 256],
         "output_tokens": [16, 24],
         "think_time_s": [0.1, 0.3],
