@@ -64,10 +64,10 @@ def test_bad_options_are_named(argv: list[str], message: str, capsys: pytest.Cap
 
 
 def test_each_runs_provenance_line_names_its_engine_control() -> None:
-    from kvlab.harness.report import RunData, provenance_lines
+    from kvlab.harness.report import RunData, RunInputs, provenance_lines
 
     image = {"kind": "container", "image": {"digest": "sha256:" + "ab" * 32}}
-    runs = [RunData(Path(n), n, {}, {"engine_control": ctl} if ctl else {}, [], None)  # type: ignore[arg-type]
+    runs = [RunData(Path(n), n, RunInputs(None, "", [], {}), {"engine_control": ctl} if ctl else {}, [], None)  # type: ignore[arg-type]
             for n, ctl in (("a", image), ("b", {"kind": "local"}), ("c", None))]
     a, b, c = provenance_lines(runs)
     assert "engines container from image `sha256:abababababab…`" in a

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvlab.client import Completion
 from kvlab.harness import campaign, results, scenarios
@@ -25,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "src" / "kvlab" / "harness"
 CAMPAIGNS = sorted((ROOT / "campaigns").glob("*.yml"))
 # What takes the plan: the runner, the scenarios and sessions it runs, the estimate, the
-# progress bar, and the plan's own types.
-TAKE_THE_PLAN = ("runner", "scenarios", "sessions", "estimate", "progress", "plan")
+# progress bar, the report (a run's plan.json), and the plan's own types.
+TAKE_THE_PLAN = ("runner", "scenarios", "sessions", "estimate", "progress", "report", "plan")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -50,6 +51,25 @@ def test_what_runs_a_campaign_imports_nothing_of_the_campaigns_model(module: str
         if m.startswith("kvlab.harness.campaign") or m in ("kvlab.harness.compiler", "kvlab.harness.cli")
     )
     assert reads == [], f"kvlab.harness.{module} imports {', '.join(reads)}: it must take the plan"
+
+
+def test_the_report_reads_the_plan_the_run_recorded_not_its_campaign_file(tmp_path: Path) -> None:
+    """The plan is what ran: where a run's campaign.yml says otherwise (edited after the run),
+    the report follows plan.json."""
+    from kvlab.harness.plan import plan_json
+    from kvlab.harness.report import RunInputs
+
+    path = ROOT / "campaigns/ci-small.yml"
+    (tmp_path / "plan.json").write_text(json.dumps(plan_json(compiled(path))))
+    edited = yaml.safe_load(path.read_text())
+    edited.update(name="edited", setups=["kvlab"], description="edited")
+    edited["scenarios"]["agents"]["frozen_threshold_s"] = 99
+    (tmp_path / "campaign.yml").write_text(yaml.safe_dump(edited))
+    inputs = RunInputs.of_run(tmp_path)
+    assert (inputs.name, inputs.setups) == ("ci-small", ["baseline", "kvlab"])
+    assert inputs.description.startswith("CI's small embedded campaign")
+    assert inputs.specs["agents"]["frozen_threshold_s"] == 3 and inputs.answers == "engine"
+    assert inputs.specs["restore"]["tokens"] == 2050 and inputs.specs["sweep"]["average_rounds"] == [2, 3]
 
 
 def test_the_check_sees_an_import_of_the_campaign(tmp_path: Path) -> None:

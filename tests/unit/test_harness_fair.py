@@ -315,9 +315,26 @@ def test_the_embedded_campaign_turns_the_fair_sweep_and_real_answers_on() -> Non
     assert "baseline" in (c.scenarios.restore.setups or c.setups)
 
 
-def test_the_report_names_what_the_agents_send_back() -> None:
-    from kvlab.harness.report import answers_of
+def test_the_report_names_what_the_agents_send_back(tmp_path: Path) -> None:
+    """From the plan the runner executed; a run from before plans were recorded, from its campaign.yml."""
+    import json
 
-    assert answers_of({"scenarios": {"agents": {"source": {"mooncake": {"path": "t.jsonl"}}}}}) == "trace"
-    assert answers_of({"scenarios": {"agents": {"source": {"generator": {"turns": 3}}}}}) == "seeded"
-    assert answers_of({"scenarios": {"agents": {"source": {"generator": {"answers": "engine"}}}}}) == "engine"
+    from kvlab.harness.report import RunInputs
+
+    def of_plan(answers: str | None) -> str:
+        run = tmp_path / f"plan-{answers}"
+        run.mkdir()
+        life = {"specs": {"agents": {"concurrency": [1], "answers": answers}}}
+        (run / "plan.json").write_text(json.dumps({"campaign": "c", "setups": [{"setup": "kvlab", "lives": [life]}]}))
+        return RunInputs.of_run(run).answers
+
+    def of_campaign(source: dict) -> str:
+        run = tmp_path / f"campaign-{len(list(tmp_path.iterdir()))}"
+        run.mkdir()
+        (run / "campaign.yml").write_text(json.dumps({"name": "c", "scenarios": {"agents": {"source": source}}}))
+        return RunInputs.of_run(run).answers
+
+    assert [of_plan(a) for a in (None, "seeded", "engine")] == ["trace", "seeded", "engine"]
+    assert of_campaign({"mooncake": {"path": "t.jsonl"}}) == "trace"
+    assert of_campaign({"generator": {"turns": 3}}) == "seeded"
+    assert of_campaign({"generator": {"answers": "engine"}}) == "engine"

@@ -112,11 +112,32 @@ def test_a_wrong_drive_declaration_names_the_field(drives: dict, message: str) -
 
 @pytest.mark.parametrize("path", sorted((ROOT / "campaigns").glob("*.yml")), ids=lambda p: p.name)
 def test_every_embedded_campaign_declares_the_lab_drive(path: Path) -> None:
+    """The lab inventory's drive (kvlab_store_drive), as many as its nodes' namespaces."""
+    storage = yaml.safe_load((ROOT / "inventories/lab/group_vars/all/storage.yml").read_text())
+    lab = storage["kvlab_store_drive"]
+    per_node = {len(e["namespaces"]) for e in storage["kvlab_store_exports"]}
     c, _ = campaign.load(path)
     assert c.drives is not None, f"{path.name}: no drives declared"
-    d = c.drives.drives()
-    assert (d.count, d.capacity_tb, d.rated_dwpd) == (4, 7.68, 1.0)  # inventories/lab: 4 PM1743 per node
+    assert c.drives.model_dump(exclude_none=True) == {**lab, "count": per_node.pop()}
     assert "inventories/lab" in path.read_text()  # and it says whose drive it is
+
+
+def test_drives_on_the_command_line_replace_the_campaigns(capsys: pytest.CaptureFixture[str]) -> None:
+    """`campaign plan|run --drives` (roles/bench_runner: the node's own drives) wins over the
+    campaign's example; a wrong one is a one-line error naming the field."""
+    from kvlab.cli import main
+
+    path = str(ROOT / "campaigns/ci-small.yml")
+    assert main(["campaign", "plan", path]) == 0
+    assert "wear projected onto 4 x Samsung PM1743 7.68 TB of 7.68 TB, 1 DWPD over 5 years" in capsys.readouterr().out
+    node = {"model": "Kioxia CM7-R 3.84 TB", "count": 8, "capacity_tb": 3.84, "tbw": 7008, "warranty_years": 5}
+    assert main(["campaign", "plan", path, "--drives", json.dumps(node)]) == 0
+    assert "wear projected onto 8 x Kioxia CM7-R 3.84 TB of 3.84 TB, 7008 TBW over 5 years" in capsys.readouterr().out
+    for bad, field in (({"count": 8, "dwpd": 1}, "--drives: capacity_tb"), ({**node, "dwpd": 1.0}, "exactly one rating"),
+                       ({**node, "count": 0}, "--drives: count"), ("{count: 8", "--drives: not JSON")):
+        assert main(["campaign", "plan", path, "--drives", bad if isinstance(bad, str) else json.dumps(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert field in err and len(err.splitlines()) == 1, err
 
 
 # ---- /proc/PID/io, for real -----------------------------------------------------------------

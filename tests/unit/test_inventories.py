@@ -97,14 +97,15 @@ def test_gpus_expected_is_declared_lab_true_testbed_false(inventories):
 
 
 def test_no_unread_fabric_variables():
-    """Every variable of the lab's fabric and storage files is read: by a role (its own name), or
-    by another inventory value's template."""
+    """Every variable of the lab's fabric and storage files is read: by a role (its own name, or
+    a role's default that reads it), or by another inventory value's template."""
     gv = ROOT / "inventories/lab/group_vars"
     texts = "".join(p.read_text() for p in gv.rglob("*.yml")) + (ROOT / "inventories/lab/hosts.yml").read_text()
     roles = [p.name for p in (ROOT / "roles").iterdir()]
+    role_defaults_text = "".join(p.read_text() for p in (ROOT / "roles").glob("*/defaults/main.yml"))
     for f in ("all/fabric.yml", "all/storage.yml"):
         for key in yaml.safe_load((gv / f).read_text()):
-            role_input = any(key.startswith(r + "_") for r in roles)
+            role_input = any(key.startswith(r + "_") for r in roles) or key in role_defaults_text
             assert role_input or texts.count(key) > 1, f"{f}: {key} is read by nothing"
     for gone in ("kvlab_roce_subnets", "kvlab_nfs_rdma", "nfsrdma-01", "storage_targets", "mlnx_qos"):
         assert gone not in texts
@@ -144,6 +145,25 @@ def test_inventory_passes_the_role_argument_specs(inventories, name, playbook, p
         params |= given | {k: v for k, v in play_vars.items() if "{{" not in str(v)}
         result = ArgumentSpecValidator(spec).validate(params)
         assert not result.error_messages, f"{name}/{host} for {role}: {result.error_messages}"
+
+
+def test_bench_runner_projects_wear_onto_each_nodes_own_drives(inventories):
+    """roles/bench_runner passes `kvlab campaign run --drives`: the inventory's kvlab_store_drive,
+    one per store path of the node; an inventory without it (local) keeps the campaign's."""
+    from kvlab.harness.campaign import DrivesSpec
+
+    default = role_defaults("bench_runner")["bench_runner_drives"]
+    for name, per_node in (("lab", 4), ("testbed", 1)):
+        inv = inventories[name]
+        drive = yaml.safe_load((ROOT / "inventories" / name / "group_vars/all/storage.yml").read_text())["kvlab_store_drive"]
+        hosts = inv.hosts("bench")
+        assert hosts, name
+        for host in hosts:
+            drives = inv.template(host, default)
+            assert drives == {**drive, "count": per_node}, f"{name}/{host}"
+            DrivesSpec.model_validate(drives)  # what --drives accepts
+    local = inventory.load(ROOT / "inventories/local/hosts.yml")
+    assert [local.template(h, default) for h in local.hosts("bench")] == [{}]
 
 
 def test_a_play_that_matches_no_host_fails_the_run(tmp_path):

@@ -329,7 +329,8 @@ def _where(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
-def _one_line(path: Path | str, err: ValidationError) -> str:
+def one_line(path: Path | str, err: ValidationError) -> str:
+    """A validation error as one line naming the field: `path: field: what to do`."""
     e = err.errors()[0]
     loc = _where(tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-"))))
     msg = e["msg"].removeprefix("Value error, ")
@@ -347,7 +348,7 @@ def parse(data: Any, source: Path | str = "<campaign>") -> Campaign:
     try:
         return Campaign.model_validate(data)
     except ValidationError as e:
-        raise CampaignError(_one_line(source, e)) from None
+        raise CampaignError(one_line(source, e)) from None
 
 
 def load(path: Path) -> tuple[Campaign, str]:

@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=_validate)
     pl = s.add_parser("plan", help="print the plan (engine lives, steps) and a time estimate")
     pl.add_argument("file", type=Path)
+    _drives_option(pl)
     pl.set_defaults(func=_plan)
     f = s.add_parser("files", help="list the files a campaign refers to (traces), with their sha256: what "
                                    "roles/bench_runner ships beside it")
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "the units the vllm_server role installed on this node (needs --endpoint)")
     r.add_argument("--endpoint", help="with --engine systemd: the engine's base URL as this node reaches it")
     r.add_argument("--keep-stores", action="store_true", help="keep the setups' KV stores after the run")
+    _drives_option(r)
     r.add_argument("--no-report", action="store_true", help="write the raw results only")
     r.set_defaults(func=_run)
 
@@ -66,6 +68,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("--out", type=Path, help="where a side-by-side report of several runs goes")
     rep.add_argument("--check", action="store_true", help="validate each run's report/summary.json against the schema")
     rep.set_defaults(func=_report)
+
+
+def _drives_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drives", metavar="JSON",
+                   help="the drives this node's store is on, as a campaign's `drives` (model, count, capacity_tb, "
+                        "dwpd or tbw, warranty_years): the run's wear is projected onto them instead of the "
+                        "campaign's (roles/bench_runner passes the lab inventory's kvlab_store_drive)")
+
+
+def _with_drives(c: campaign_mod.Campaign, drives: str | None) -> campaign_mod.Campaign:
+    """The campaign with --drives in place of its own `drives`; a wrong one names the field."""
+    from pydantic import ValidationError
+
+    from kvlab.cli import UserError
+
+    if drives is None:
+        return c
+    try:
+        spec = campaign_mod.DrivesSpec.model_validate(json.loads(drives))
+    except json.JSONDecodeError as e:
+        raise UserError(f"--drives: not JSON ({e.msg}): give e.g. "
+                        '\'{"count": 4, "capacity_tb": 7.68, "dwpd": 1.0}\'') from None
+    except ValidationError as e:
+        raise UserError(campaign_mod.one_line("--drives", e)) from None
+    return c.model_copy(update={"drives": spec})
 
 
 def _load(path: Path) -> tuple[campaign_mod.Campaign, str]:
@@ -99,12 +126,13 @@ def _files(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile(path: Path) -> tuple[Plan, str]:
+def _compile(path: Path, drives: str | None = None) -> tuple[Plan, str]:
     """The campaign file's plan (the compiler is the only reader of a campaign) and its sha256."""
     from kvlab.cli import UserError
     from kvlab.harness.compiler import compile_campaign
 
     c, sha = _load(path)
+    c = _with_drives(c, drives)
     try:
         return compile_campaign(c, path.parent), sha
     except InputError as e:
@@ -114,7 +142,7 @@ def _compile(path: Path) -> tuple[Plan, str]:
 def _plan(args: argparse.Namespace) -> int:
     from kvlab.harness.plan import render_plan
 
-    plan, _ = _compile(args.file)
+    plan, _ = _compile(args.file, args.drives)
     print(render_plan(plan))
     return 0
 
@@ -128,7 +156,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvlab.harness.report import render_run
     from kvlab.harness.runner import run_plan
 
-    plan, sha = _compile(args.file)
+    plan, sha = _compile(args.file, args.drives)
     t0 = time.monotonic()
     try:
         run_dir = run_plan(plan, args.file, sha, args.runs_dir, keep_stores=args.keep_stores, engines=engines)

@@ -172,6 +172,7 @@ def compile_campaign(c: Campaign, base: Path | None = None) -> Plan:
         cost_model="CPU" if c.device == "cpu" else "GPU",
         setups=tuple(out),
         drives=c.drives.drives() if c.drives else None,
+        description=c.description,
     )
 
 

@@ -149,6 +149,7 @@ class Plan:
     cost_model: str
     setups: tuple[SetupPlan, ...]
     drives: Drives | None = None  # the drives the tiers write to (the report's wear projection)
+    description: str = ""  # the campaign's, for the report's heading
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -244,6 +245,13 @@ def render_plan(plan: Plan) -> str:
             f"  x {len(plan.variants)} variant(s): {', '.join(plan.variants)} "
             f"(lab inventory parameters; each repeats the plan above)"
         )
+    d = plan.drives
+    if d is None:
+        lines.append("  wear: no drives declared (bytes written are counted, not projected)")
+    else:
+        rating = f"{d.dwpd:g} DWPD" if d.dwpd is not None else f"{d.tbw:g} TBW"
+        lines.append(f"  wear projected onto {d.count} x {d.model or 'drive'} of {d.capacity_tb:g} TB, {rating} "
+                     f"over {d.warranty_years:g} years")
     lines.append(f"estimate: ~{fmt_s(total_estimate(plan))} ({plan.cost_model} cost model; see estimate.py)")
     return "\n".join(lines)
 
@@ -281,6 +289,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     return {
         "schema": SCHEMA,
         "campaign": plan.campaign,
+        "description": plan.description,
         "device": plan.device,
         "seed": plan.seed,
         "model": _json(plan.model),

@@ -20,11 +20,47 @@ from kvlab.harness import results
 from kvlab.harness.summary import SetupSummary, Summary, summarize, to_json_obj
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run was asked to do, as far as the report needs it: read from the plan the runner
+    executed (plan.json), or, for a run recorded before plans were, from its campaign.yml."""
+
+    name: str | None
+    description: str
+    setups: list[str]
+    specs: dict[str, dict[str, Any]]  # scenario -> its parameters (restore, sweep, agents)
+
+    @classmethod
+    def of_run(cls, run_dir: Path) -> RunInputs:
+        plan_path = run_dir / results.PLAN
+        if plan_path.exists():
+            plan = json.loads(plan_path.read_text())
+            specs: dict[str, dict[str, Any]] = {}
+            for p in plan.get("setups", []):
+                for life in p.get("lives", []):
+                    for scenario, spec in (life.get("specs") or {}).items():
+                        specs.setdefault(scenario, spec)
+            return cls(plan.get("campaign"), plan.get("description", ""), [p["setup"] for p in plan.get("setups", [])],
+                       specs)
+        c_path = run_dir / results.CAMPAIGN
+        c = (yaml.safe_load(c_path.read_text()) or {}) if c_path.exists() else {}
+        specs = {k: dict(v) for k, v in (c.get("scenarios") or {}).items() if isinstance(v, dict)}
+        if "agents" in specs:
+            source = specs["agents"].get("source") or {}
+            specs["agents"]["answers"] = (source.get("generator") or {}).get("answers", "seeded") if "generator" in source else None
+        return cls(c.get("name"), c.get("description") or "", list(c.get("setups") or []), specs)
+
+    @property
+    def answers(self) -> str:
+        """What the agents send back as the previous answer: engine, seeded, or (None) a trace's requests."""
+        return str((self.specs.get("agents") or {}).get("answers") or "trace")
+
+
 @dataclass
 class RunData:
     dir: Path
     run_id: str
-    campaign: dict[str, Any]
+    inputs: RunInputs
     provenance: dict[str, Any]
     records: list[dict[str, Any]]
     summary: Summary
@@ -35,18 +71,18 @@ def load_run(run_dir: Path) -> RunData:
     if not (run_dir / results.RECORDS).exists():
         raise FileNotFoundError(f"{run_dir}: not a campaign run (no {results.RECORDS}): give results/runs/<run-id>")
     resolved = run_dir.resolve()
-    campaign = yaml.safe_load((run_dir / results.CAMPAIGN).read_text()) if (run_dir / results.CAMPAIGN).exists() else {}
+    inputs = RunInputs.of_run(run_dir)
     prov_path = run_dir / results.PROVENANCE
     prov = json.loads(prov_path.read_text()) if prov_path.exists() else {}
     records = results.read_records(run_dir)
-    sweep = (campaign.get("scenarios") or {}).get("sweep") or {}
+    sweep = inputs.specs.get("sweep") or {}
     avg = tuple(sweep.get("average_rounds", (2, 9))) if sweep else None
     if avg and sweep.get("rounds") and avg[1] > sweep["rounds"]:
         avg = None
-    summary = summarize(records, list(campaign.get("setups") or []), run_id=resolved.name,
-                        campaign=campaign.get("name"), avg_rounds=avg,  # type: ignore[arg-type]
+    summary = summarize(records, inputs.setups, run_id=resolved.name,
+                        campaign=inputs.name, avg_rounds=avg,  # type: ignore[arg-type]
                         provenance={"run_id": resolved.name, **prov})
-    return RunData(run_dir, resolved.name, campaign, prov, records, summary)
+    return RunData(run_dir, resolved.name, inputs, prov, records, summary)
 
 
 # ---- formatting ------------------------------------------------------------------------
@@ -210,7 +246,7 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     if not live:
         return ["No agents step ran."]
     ns = sorted({int(n) for _, s, _ in live for n in s.agents})
-    thr = {((r.campaign.get("scenarios") or {}).get("agents") or {}).get("frozen_threshold_s", 20.0) for _, _, r in live}
+    thr = {(r.inputs.specs.get("agents") or {}).get("frozen_threshold_s", 20.0) for _, _, r in live}
     threshold = "/".join(f"{t:g}" for t in sorted(thr))
 
     def cell(s: SetupSummary, fn: Any) -> str:
@@ -231,7 +267,7 @@ def agents_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
         *agents_load_rows(),
     ]
     blocks = sorted({s.block_size for _, s, _ in live if s.block_size})
-    answers = sorted({answers_of(r.campaign) for _, _, r in live})
+    answers = sorted({r.inputs.answers for _, _, r in live})
     carried = {("engine",): "each next turn carries the tokens the engine generated for the previous one",
                ("seeded",): "each next turn carries a seeded reply, not the engine's answer",
                ("trace",): "requests replayed from a trace"}.get(tuple(answers), f"answers: {'/'.join(answers)}")
@@ -258,14 +294,6 @@ def agents_load_rows() -> list[tuple[str, Any]]:
     ]
 
 
-def answers_of(campaign: dict[str, Any]) -> str:
-    """What a campaign's agents send back as the previous answer: engine, seeded, or a trace's requests."""
-    source = (((campaign.get("scenarios") or {}).get("agents") or {}).get("source") or {})
-    if "generator" not in source:
-        return "trace"
-    return str((source["generator"] or {}).get("answers", "seeded"))
-
-
 def memory_table(cols: list[tuple[str, SetupSummary, RunData]]) -> list[str]:
     out = ["| setup | engine peak RSS GiB | cache server peak RSS GiB | engine pinned GiB | cache server pinned GiB | samples "
            "| source (engine / cache server) |",
@@ -288,7 +316,7 @@ def drives_line(r: RunData) -> str:
         return (f"{r.run_id}: the campaign declares no `drives`, so no drive writes per day or rated life "
                 "(docs/results-schema.md, *Campaign fields*).")
     rating = f"{d.dwpd:g} DWPD" if d.dwpd is not None else f"{d.tbw:g} TBW each ({d.rated_dwpd:.2f} DWPD)"
-    return (f"{r.run_id}: drives declared by the campaign: {d.count} × {d.model or 'drive'} of {d.capacity_tb:g} TB, "
+    return (f"{r.run_id}: drives of the run (the campaign's `drives`, or `campaign run --drives`): {d.count} × {d.model or 'drive'} of {d.capacity_tb:g} TB, "
             f"rated {rating} over {d.warranty_years:g} years; drive writes per day = bytes written per second of "
             f"the scenario × 86400 ÷ their {d.count * d.capacity_tb:g} TB.")
 
@@ -524,10 +552,10 @@ def render(runs: list[RunData], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cols = columns(runs)
     plots = plot_restore(cols, out) + plot_sweep(cols, out) + plot_cdf(runs, out) + plot_memory(runs, out)
-    title = runs[0].campaign.get("name", "campaign") if len(runs) == 1 else "runs side by side"
+    title = (runs[0].inputs.name or "campaign") if len(runs) == 1 else "runs side by side"
     lines = [f"# kvlab report: {title}", ""]
     if len(runs) == 1:
-        desc = runs[0].campaign.get("description")
+        desc = runs[0].inputs.description
         if desc:
             lines += [desc.strip(), ""]
     skipped = [(label, s) for label, s, _ in cols if s.skipped or s.errors]
@@ -540,9 +568,9 @@ def render(runs: list[RunData], out: Path) -> Path:
                 lines.append(f"- **{label}** error: {e}")
         lines.append("")
     lines += ["## Restore: one long prompt", ""]
-    tokens = {((r.campaign.get("scenarios") or {}).get("restore") or {}).get("tokens") for r in runs} - {None}
+    tokens = {(r.inputs.specs.get("restore") or {}).get("tokens") for r in runs} - {None}
     if tokens:
-        rs = [((r.campaign.get("scenarios") or {}).get("restore") or {}) for r in runs]
+        rs = [(r.inputs.specs.get("restore") or {}) for r in runs]
         warm = ("after a prefix-cache reset on the running engine" if all(x.get("prefix_caching", True) for x in rs)
                 else "the prompt again on the running engine, whose own prefix caching is off (so it comes "
                 "from the tier under test)")
