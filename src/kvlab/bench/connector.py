@@ -59,6 +59,9 @@ def note(msg: str) -> None:
 def bench_store(work: Path, repeats: int, size_mib: int, small_objects: int) -> dict:
     from kvlab_connector.bench import clear, make_small_objects, rebuild_seconds, run_store
 
+    # The bench's own folder (the store never makes a drive path's parents: on a real drive
+    # a missing parent is an unmounted filesystem).
+    work.mkdir(parents=True, exist_ok=True)
     drive = work / "drive"
     fio_dir = work / "fio"
     reads: list[float] = []

@@ -61,3 +61,11 @@ def test_a_size_the_workdir_cannot_hold_is_refused_in_one_line(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"kvlab: --size-mib {absurd}: {tmp_path} has ") and "\n" not in err
     assert not (tmp_path / "w").exists(), "nothing ran"
+
+
+def test_a_workdir_that_does_not_exist_yet_is_made(tmp_path: Path) -> None:
+    """The default workdir (~/.cache/kvlab/state/bench-store) is absent on a fresh machine: the
+    bench makes its own folder (the store never makes a drive path's parents, by design)."""
+    work = tmp_path / "state" / "bench-store"
+    res = bench_store(work, repeats=1, size_mib=8, small_objects=50)
+    assert res["store_write_gbps"] > 0 and work.is_dir()
