@@ -39,19 +39,22 @@ class Inventory:
     def render(self, host: str, names: list[str] | None = None) -> dict[str, Any]:
         """The host's variables named (all it defines if None), rendered as a play on it would."""
         v = self.vars(host)
+        templar = self._templar(v)
         keys = [n for n in (names if names is not None else list(v)) if n in v]
-        return {k: self.template(host, v[k], v) for k in keys}
+        return {k: _plain(templar.template(v[k])) for k in keys}
 
-    def template(self, host: str, value: Any, variables: dict[str, Any] | None = None) -> Any:
-        """A value rendered with the host's variables, as a play on it would: the inventory's own,
-        or a string of this repository's (a role's default: trusted as a template, as Ansible
-        trusts what it loads from a role)."""
-        from ansible.template import Templar, trust_as_template
+    def template(self, host: str, value: str) -> Any:
+        """A template string of this repository's (a role's default, say) rendered with the
+        host's variables, as a play on it would: trusted, as Ansible trusts what it loads from
+        a role."""
+        from ansible.template import trust_as_template
 
-        if isinstance(value, str):
-            value = trust_as_template(value)
-        templar = Templar(loader=self._loader, variables=variables if variables is not None else self.vars(host))
-        return _plain(templar.template(value))
+        return _plain(self._templar(self.vars(host)).template(trust_as_template(value)))
+
+    def _templar(self, variables: dict[str, Any]) -> Any:
+        from ansible.template import Templar
+
+        return Templar(loader=self._loader, variables=variables)
 
 
 def _plain(value: Any) -> Any:
