@@ -57,7 +57,7 @@ class Workload:
     decode_tokens: int = 128
     # A request's decode rate on two cores swings with where the scheduler puts the engine's
     # three processes (measured in one life: 71 to 147 tokens/s across 12 requests of one
-    # shape): ten per life keep the median of a life steady, five did not.
+    # shape): ten per life narrow a life's median; lives still differ by up to ~20%.
     decode_requests: int = 10
     miss_prompt_tokens: int = 100
     miss_requests: int = 5
