@@ -38,6 +38,12 @@ class Drives:
         if (self.dwpd if self.dwpd is not None else self.tbw) <= 0:  # type: ignore[operator]
             raise ValueError("drives: the rating (dwpd or tbw) must be > 0")
 
+    def describe(self) -> str:
+        """What they are and how they are rated, as plans and reports print it."""
+        rating = f"{self.dwpd:g} DWPD" if self.dwpd is not None else f"{self.tbw:g} TBW each ({self.rated_dwpd:.2f} DWPD)"
+        return (f"{self.count} x {self.model or 'drive'} of {self.capacity_tb:g} TB, rated {rating} "
+                f"over {self.warranty_years:g} years")
+
     @property
     def capacity_bytes(self) -> float:
         return self.count * self.capacity_tb * 1e12

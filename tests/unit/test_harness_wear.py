@@ -129,10 +129,10 @@ def test_drives_on_the_command_line_replace_the_campaigns(capsys: pytest.Capture
 
     path = str(ROOT / "campaigns/ci-small.yml")
     assert main(["campaign", "plan", path]) == 0
-    assert "wear projected onto 4 x Samsung PM1743 7.68 TB of 7.68 TB, 1 DWPD over 5 years" in capsys.readouterr().out
+    assert "wear projected onto 4 x Samsung PM1743 7.68 TB of 7.68 TB, rated 1 DWPD over 5 years" in capsys.readouterr().out
     node = {"model": "Kioxia CM7-R 3.84 TB", "count": 8, "capacity_tb": 3.84, "tbw": 7008, "warranty_years": 5}
     assert main(["campaign", "plan", path, "--drives", json.dumps(node)]) == 0
-    assert "wear projected onto 8 x Kioxia CM7-R 3.84 TB of 3.84 TB, 7008 TBW over 5 years" in capsys.readouterr().out
+    assert "wear projected onto 8 x Kioxia CM7-R 3.84 TB of 3.84 TB, rated 7008 TBW each (1.00 DWPD) over 5 years" in capsys.readouterr().out
     for bad, field in (({"count": 8, "dwpd": 1}, "--drives: capacity_tb"), ({**node, "dwpd": 1.0}, "exactly one rating"),
                        ({**node, "count": 0}, "--drives: count"), ("{count: 8", "--drives: not JSON")):
         assert main(["campaign", "plan", path, "--drives", bad if isinstance(bad, str) else json.dumps(bad)]) == 2
@@ -369,7 +369,7 @@ def test_the_report_shows_the_wear_table(tmp_path: Path) -> None:
     _, md = render_run(tmp_path / "runs" / "r1")
     text = md.read_text()
     assert "## Wear: bytes written to drives" in text
-    assert "4 × Samsung PM1743 7.68 TB of 7.68 TB, rated 1 DWPD over 5 years" in text
+    assert "4 x Samsung PM1743 7.68 TB of 7.68 TB, rated 1 DWPD over 5 years" in text
     per_day = 64 * MiB / 20 * 86400 / 30.72e12
     life = 5 / per_day
     assert f"| kvlab | sweep | kvlab | 64 | 32 | 2.00 | 20.0 | 3.36 | {per_day:.3g} | {life:.2f} |" in text

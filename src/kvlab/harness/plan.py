@@ -249,9 +249,7 @@ def render_plan(plan: Plan) -> str:
     if d is None:
         lines.append("  wear: no drives declared (bytes written are counted, not projected)")
     else:
-        rating = f"{d.dwpd:g} DWPD" if d.dwpd is not None else f"{d.tbw:g} TBW"
-        lines.append(f"  wear projected onto {d.count} x {d.model or 'drive'} of {d.capacity_tb:g} TB, {rating} "
-                     f"over {d.warranty_years:g} years")
+        lines.append(f"  wear projected onto {d.describe()}")
     lines.append(f"estimate: ~{fmt_s(total_estimate(plan))} ({plan.cost_model} cost model; see estimate.py)")
     return "\n".join(lines)
 

@@ -18,6 +18,7 @@ import yaml
 
 from kvlab.harness import results
 from kvlab.harness.summary import SetupSummary, Summary, summarize, to_json_obj
+from kvlab.wear import Drives
 
 
 @dataclass(frozen=True)
@@ -315,9 +316,10 @@ def drives_line(r: RunData) -> str:
     if d is None:
         return (f"{r.run_id}: the campaign declares no `drives`, so no drive writes per day or rated life "
                 "(docs/results-schema.md, *Campaign fields*).")
-    rating = f"{d.dwpd:g} DWPD" if d.dwpd is not None else f"{d.tbw:g} TBW each ({d.rated_dwpd:.2f} DWPD)"
-    return (f"{r.run_id}: drives of the run (the campaign's `drives`, or `campaign run --drives`): {d.count} × {d.model or 'drive'} of {d.capacity_tb:g} TB, "
-            f"rated {rating} over {d.warranty_years:g} years; drive writes per day = bytes written per second of "
+    drives = Drives(count=d.count, capacity_tb=d.capacity_tb, dwpd=d.dwpd, tbw=d.tbw,
+                    warranty_years=d.warranty_years, model=d.model)
+    return (f"{r.run_id}: drives of the run (the campaign's `drives`, or `campaign run --drives`): "
+            f"{drives.describe()}; drive writes per day = bytes written per second of "
             f"the scenario × 86400 ÷ their {d.count * d.capacity_tb:g} TB.")
 
 
