@@ -43,7 +43,7 @@ from kvlab.net import free_port
 from kvlab.paths import state_dir
 from kvlab.setups import registry as setups
 
-SCHEMA = "kvlab.bench.overhead/1"
+SCHEMA = "kvlab.bench.overhead/2"
 SETUPS = ("baseline", "kvlab")
 
 
@@ -57,7 +57,8 @@ class Workload:
     decode_tokens: int = 128
     # A request's decode rate on two cores swings with where the scheduler puts the engine's
     # three processes (measured in one life: 71 to 147 tokens/s across 12 requests of one
-    # shape): ten per life narrow a life's median; lives still differ by up to ~20%.
+    # shape; a step takes ~8 or ~16 ms): a life's rate pools its requests (tokens over decoding
+    # time), which such a two-mode spread moves less than it moves a median of ten.
     decode_requests: int = 10
     miss_prompt_tokens: int = 100
     miss_requests: int = 5
@@ -74,13 +75,13 @@ class LifeSample:
 
     setup: str
     repeat: int
-    decode_tok_s: float  # median over the life's decode requests
+    decode_tok_s: float  # the life's decode requests pooled: tokens after the first over decoding time
     miss_ttft_s: float  # median over the life's miss prompts
     engine_start_s: float
     decode_tok_s_all: tuple[float, ...] = ()
     miss_ttft_s_all: tuple[float, ...] = ()
     save_ttft_s: float | None = None  # median over the life's computed-and-saved prompts
-    decode_save_tok_s: float | None = None  # median over the life's decodes that save a chunk
+    decode_save_tok_s: float | None = None  # the same, over the life's decodes that save a chunk
     save_ttft_s_all: tuple[float, ...] = ()
     decode_save_tok_s_all: tuple[float, ...] = ()
 
@@ -164,15 +165,20 @@ def engine_params(model: Path, work: Path, w: Workload) -> setups.EngineParams:
     )
 
 
-def decode_rates(url: str, key: str, prompt_tokens: int, tokens: int, requests: int) -> list[float]:
-    """Fresh prompts (keyed `key` and their index) answered with `tokens`: each one's decode rate."""
-    rates = []
+def decodes(url: str, key: str, prompt_tokens: int, tokens: int, requests: int) -> list[tuple[int, float, float]]:
+    """Fresh prompts (keyed `key` and their index) answered with `tokens`: each one's
+    (output_tokens, ttft_s, total_s)."""
+    out = []
     for i in range(requests):
         c = complete(url, "tiny", token_ids(f"{key}{i}", prompt_tokens), tokens)
-        rate = metrics.decode_rate(c.output_tokens, c.ttft_s, c.total_s)
-        if rate is not None:
-            rates.append(rate)
-    return rates
+        out.append((c.output_tokens, c.ttft_s, c.total_s))
+    return out
+
+
+def rates_of(requests: list[tuple[int, float, float]]) -> tuple[float | None, tuple[float, ...]]:
+    """The requests' pooled decode rate, and each one's (the JSON's raw)."""
+    each = (metrics.decode_rate(*r) for r in requests)
+    return metrics.pooled_decode_rate(requests), tuple(r for r in each if r is not None)
 
 
 def engine_measure(params: setups.EngineParams, work: Path, w: Workload) -> Measure:
@@ -187,21 +193,21 @@ def engine_measure(params: setups.EngineParams, work: Path, w: Workload) -> Meas
             # its threads' start) fall into it: measured, the first of 3 decodes ran at 22 tok/s
             # against 49 and 81 after it, when the warm-up was a short prompt.
             complete(url, "tiny", token_ids(f"overhead:{repeat}:warmup", w.decode_prompt_tokens), w.decode_tokens)
-            rates = decode_rates(url, f"overhead:{repeat}:decode", w.decode_prompt_tokens, w.decode_tokens,
-                                 w.decode_requests)
+            rate, rates = rates_of(decodes(url, f"overhead:{repeat}:decode", w.decode_prompt_tokens,
+                                           w.decode_tokens, w.decode_requests))
             misses = [complete(url, "tiny", token_ids(f"overhead:{repeat}:miss{i}", w.miss_prompt_tokens), 1).ttft_s
                       for i in range(w.miss_requests)]
             saves = [complete(url, "tiny", token_ids(f"overhead:{repeat}:save{i}", w.save_prompt_tokens), 1).ttft_s
                      for i in range(w.save_requests)]
-            save_rates = decode_rates(url, f"overhead:{repeat}:decsave", w.decode_save_prompt_tokens,
-                                      w.decode_save_tokens, w.decode_save_requests)
+            save_rate, save_rates = rates_of(decodes(url, f"overhead:{repeat}:decsave", w.decode_save_prompt_tokens,
+                                                     w.decode_save_tokens, w.decode_save_requests))
         finally:
             server.stop()
-        if not rates or not save_rates:
+        if rate is None or save_rate is None:
             raise RuntimeError(f"{setup}: no decode rate measured (answers of fewer than 2 tokens?)")
-        return LifeSample(setup, repeat, statistics.median(rates), statistics.median(misses), start_s,
-                          tuple(rates), tuple(misses), statistics.median(saves), statistics.median(save_rates),
-                          tuple(saves), tuple(save_rates))
+        return LifeSample(setup, repeat, rate, statistics.median(misses), start_s,
+                          rates, tuple(misses), statistics.median(saves), save_rate,
+                          tuple(saves), save_rates)
 
     return measure
 

@@ -123,17 +123,23 @@ def decode_rate(output_tokens: int, ttft_s: float, total_s: float) -> float | No
     return (output_tokens - 1) / span
 
 
+def pooled_decode_rate(requests: Iterable[tuple[int, float, float]]) -> float | None:
+    """Tokens decoded after the first over the time spent decoding them, over all `requests`
+    ((output_tokens, ttft_s, total_s) each): each request weighs by its decoding time."""
+    toks = span = 0.0
+    for n, ttft, total in requests:
+        if n >= 2:
+            toks += n - 1
+            span += total - ttft
+    return toks / span if span > 0 else None
+
+
 def decode_rate_per_agent(per_agent: Iterable[Sequence[tuple[int, float, float]]]) -> float | None:
     """Mean over agents of each agent's decoded tokens / decoding time, over all its turns.
 
     Each agent is a list of (output_tokens, ttft_s, total_s) of its turns.
     """
-    rates = []
-    for turns in per_agent:
-        toks = sum(n - 1 for n, _, _ in turns if n >= 2)
-        span = sum(total - ttft for n, ttft, total in turns if n >= 2)
-        if span > 0:
-            rates.append(toks / span)
+    rates = [r for r in (pooled_decode_rate(turns) for turns in per_agent) if r is not None]
     return sum(rates) / len(rates) if rates else None
 
 
