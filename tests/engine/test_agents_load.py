@@ -57,7 +57,10 @@ def test_the_working_set_exceeds_the_engines_own_cache(run: tuple[Summary, campa
     s, _ = run
     for name in ("kvlab", "baseline"):
         p = s.setups[name].agents["4"]
-        assert p.errors == 0 and p.samples == 8  # 4 agents x 2 returning turns
+        assert p.errors == 0 and p.returning_turns == 8  # 4 agents x 2 returning turns
+        # the agents start together: a ramp until every first turn is answered, its returning
+        # turns left out of the first-token figures
+        assert p.ramp_s is not None and p.ramp_s > 0 and p.samples + p.ramp_turns == 8
         assert p.engine_cache_tokens == 9 * 128  # the override took: 9 blocks of the CPU engine's 128 tokens
         assert (
             p.working_set_tokens and p.working_set_over_engine_cache and p.working_set_over_engine_cache > 1.5

@@ -1,5 +1,5 @@
 """A small version of the embedded campaign on the real vLLM CPU engine: raw records, report,
-plots and a summary that validates against kvlab.summary/4 (campaigns/ci-small.yml)."""
+plots and a summary that validates against kvlab.summary/5 (campaigns/ci-small.yml)."""
 
 from __future__ import annotations
 

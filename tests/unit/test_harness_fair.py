@@ -119,7 +119,7 @@ def test_the_report_says_whether_the_page_cache_was_dropped(tmp_path: Path) -> N
     assert "Recompute reference: 2.000 s, the median of 3 fresh 4098-token prompts on baseline" in text
     assert "block size (128 tokens)" in text and "carries the tokens the engine generated" in text
     obj = json.loads((md.parent / "summary.json").read_text())
-    assert obj["schema"] == "kvlab.summary/4"
+    assert obj["schema"] == "kvlab.summary/5"
     assert obj["setups"]["kvlab"]["sweep"]["1000"]["page_cache_dropped_rounds"] == 3
     validate(obj)
 

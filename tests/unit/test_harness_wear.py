@@ -347,7 +347,7 @@ def run_records() -> list[dict]:
 
 def test_the_summary_carries_wear_per_setup_and_scenario() -> None:
     s = summarize(run_records(), ["baseline", "kvlab"])
-    assert s.schema_ == SCHEMA == "kvlab.summary/4"
+    assert s.schema_ == SCHEMA == "kvlab.summary/5"
     assert s.drives is not None and s.drives.rated_dwpd == 1.0 and s.drives.count == 4
     k = s.setups["kvlab"].wear
     assert set(k) == {"sweep", "all"}
@@ -534,6 +534,6 @@ def test_every_wear_field_is_documented() -> None:
     from kvlab.harness.summary import DrivesDeclared, WearPoint
 
     doc = (ROOT / "docs/results-schema.md").read_text()
-    assert "kvlab.summary/4" in doc
+    assert "kvlab.summary/5" in doc
     missing = [f for m in (WearPoint, DrivesDeclared) for f in m.model_fields if f'"{f}"' not in doc]
     assert missing == []

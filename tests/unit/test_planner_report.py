@@ -1,5 +1,5 @@
 """A campaign report carries the planner's predicted-vs-measured table, fitted on the run
-itself and labelled in-sample; the summary (kvlab.summary/4) validates with it."""
+itself and labelled in-sample; the summary (kvlab.summary/5) validates with it."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_report_has_the_in_sample_table(tmp_path: Path) -> None:
     assert "In-sample: fitted on this run's own records" in text
     assert "| kvlab | sweep | 50000 |" in text and "| kvlab | warm | 4098 |" in text
     obj = json.loads((md.parent / "summary.json").read_text())
-    assert obj["schema"] == "kvlab.summary/4"
+    assert obj["schema"] == "kvlab.summary/5"
     p = validate(obj).predicted
     assert p is not None and p.error is None and p.kv_bytes_per_token == 1024
     cell = next(c for c in p.cells if (c.setup, c.tier, c.tokens) == ("kvlab", "sweep", 50000))

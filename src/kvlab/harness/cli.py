@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     rep = sub.add_parser("report", help="render a campaign run's tables and plots; several runs side by side")
     rep.add_argument("runs", nargs="+", type=Path, help="results/runs/<run-id> (or results/runs/latest)")
-    rep.add_argument("--summary-json", action="store_true", help="print the summary (kvlab.summary/4) as JSON")
+    rep.add_argument("--summary-json", action="store_true", help="print the summary (kvlab.summary/5) as JSON")
     rep.add_argument("--out", type=Path, help="where a side-by-side report of several runs goes")
     rep.add_argument("--check", action="store_true", help="validate each run's report/summary.json against the schema")
     rep.set_defaults(func=_report)

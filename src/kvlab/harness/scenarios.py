@@ -349,6 +349,7 @@ def agents(t: Target, sc: AgentsSpec, n: int, wl: Workload) -> None:
     t0_wall = time.time()
 
     latest: dict[int, tuple[int, ...]] = {}  # each agent's latest prompt sent: the working set
+    first_answered: dict[int, float] = {}  # when each agent's first turn was answered (wall clock)
 
     def run_agent(a: int, turns: tuple[TurnSpec, ...]) -> None:
         carries = any(turn.after_answer for turn in turns)
@@ -372,6 +373,8 @@ def agents(t: Target, sc: AgentsSpec, n: int, wl: Workload) -> None:
             latest[a] = tuple(prompt)
             c = measured(t, prompt, turn.max_tokens, {**base, "reusable_tokens": reusable, **carried},
                          with_counters=False, token_ids=carries)
+            if c is not None:
+                first_answered.setdefault(a, time.time())
             previous, answer = None, ()
             if c is not None and carries:
                 if c.token_ids is None:
@@ -389,12 +392,24 @@ def agents(t: Target, sc: AgentsSpec, n: int, wl: Workload) -> None:
     wall = time.perf_counter() - t0
     block = t.block_size()
     t.sink({"kind": "step", "scenario": "agents", "setup": t.setup, "concurrency": n, "wall_s": wall,
+            "all_active_t": all_active_t(wl, first_answered),
             "working_set_tokens": working_set_tokens(latest.values(), block) if block else None,
             "engine_cache_tokens": t.engine_cache_tokens(),
             "t_start": t0_wall, "turns": len(wl.turns), "frozen_threshold_s": sc.frozen_threshold_s,
             "hit_min_fraction": sc.hit_min_fraction, "counters": delta(t.counters(), before),
             "answers": sc.answers})
     t.note(f"{t.setup}: {n} agents, {len(wl.turns)} turns in {wall:.1f} s")
+
+
+def all_active_t(wl: Workload, first_answered: dict[int, float]) -> float | None:
+    """When every agent had its first turn answered, where all of them start together (a
+    generator's sessions): the end of the step's ramp, in which the agents' first turns (work no
+    tier can save: nothing of them was seen before) queue in front of the earliest returning
+    turns. None where sessions start at their own times (a trace) or some first turn failed."""
+    together = all(not turns[0].think_s and turns[0].at_s is None for turns in wl.agents if turns)
+    if not together or len(first_answered) < sum(1 for turns in wl.agents if turns):
+        return None
+    return max(first_answered.values())
 
 
 # ---- one step of the plan --------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The summary of a run (`kvlab report RUN --summary-json`), derived from its raw records.
 
-Schema `kvlab.summary/4`, documented in docs/results-schema.md and validated by the
+Schema `kvlab.summary/5`, documented in docs/results-schema.md and validated by the
 pydantic models below. Times are medians (the sweep's: the mean of the chosen rounds,
 as the second seed averages); every median has its sample count beside it; a value is
 null where its scenario did not run for that setup.
@@ -18,7 +18,7 @@ from kvlab.harness import wear as wear_count
 from kvlab.harness.metrics import Turn
 from kvlab.wear import Drives
 
-SCHEMA = "kvlab.summary/4"
+SCHEMA = "kvlab.summary/5"
 
 
 class _M(BaseModel):
@@ -47,7 +47,12 @@ class AgentsPoint(_M):
     returning_ttft_p99_s: float | None
     frozen_answers: int | None
     wall_s: float | None
-    samples: int = Field(description="returning turns (the TTFT median's and the hit shares' sample)")
+    samples: int = Field(description="returning turns sent once every agent was active (the TTFT figures' sample)")
+    returning_turns: int | None = Field(None, description="every returning turn (the hit shares' sample)")
+    ramp_s: float | None = Field(
+        None, description="from the step's start until every agent's first turn was answered; null: sessions "
+        "start at their own times (a trace), or a run from before it was recorded")
+    ramp_turns: int = Field(0, description="returning turns sent before ramp_s, left out of the TTFT figures")
     answers: int
     errors: int
     external_hit_tokens: float | None = Field(None, description="vLLM's external prefix-cache hits over the step")
@@ -337,7 +342,11 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
         threshold = step.get("frozen_threshold_s") or (rs[0].get("frozen_threshold_s") if rs else None)
         min_frac = step.get("hit_min_fraction", 0.5)
         turns = [Turn(r["prompt_tokens"], r.get("cached_tokens") or 0, r["reusable_tokens"]) for r in ok]
-        ret_ttft = [r["ttft_s"] for r in ok if r["reusable_tokens"] > 0]
+        returning = [r for r in ok if r["reusable_tokens"] > 0]
+        # The steady state: once every agent is active. Before, the agents' first turns (which
+        # no tier can save) queue in front of the earliest returning turns, whatever the tier.
+        active = step.get("all_active_t")
+        ret_ttft = [r["ttft_s"] for r in returning if active is None or r["t_start"] >= active]
         per_agent: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
         for r in ok:
             per_agent[r["agent"]].append((r["output_tokens"], r["ttft_s"], r["total_s"]))
@@ -351,7 +360,9 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
             returning_ttft_p99_s=metrics.percentile(ret_ttft, 99) if ret_ttft else None,
             frozen_answers=metrics.frozen_answers((r["max_gap_s"] for r in ok), threshold) if threshold else None,
             wall_s=step.get("wall_s"),
-            samples=len(ret_ttft), answers=len(ok), errors=len(rs) - len(ok),
+            samples=len(ret_ttft), returning_turns=len(returning), answers=len(ok), errors=len(rs) - len(ok),
+            ramp_s=active - step["t_start"] if active is not None and step.get("t_start") is not None else None,
+            ramp_turns=len(returning) - len(ret_ttft),
             external_hit_tokens=(step.get("counters") or {}).get("external_hits"),
             **agents_load_fields(step),
         )
