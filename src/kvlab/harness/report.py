@@ -17,8 +17,7 @@ from typing import Any
 import yaml
 
 from kvlab.harness import results
-from kvlab.harness.summary import SetupSummary, Summary, summarize, to_json_obj
-from kvlab.wear import Drives
+from kvlab.harness.summary import SetupSummary, Summary, all_active, summarize, to_json_obj
 
 
 @dataclass(frozen=True)
@@ -321,10 +320,8 @@ def drives_line(r: RunData) -> str:
     if d is None:
         return (f"{r.run_id}: the campaign declares no `drives`, so no drive writes per day or rated life "
                 "(docs/results-schema.md, *Campaign fields*).")
-    drives = Drives(count=d.count, capacity_tb=d.capacity_tb, dwpd=d.dwpd, tbw=d.tbw,
-                    warranty_years=d.warranty_years, model=d.model)
     return (f"{r.run_id}: drives of the run (the campaign's `drives`, or `campaign run --drives`): "
-            f"{drives.describe()}; drive writes per day = bytes written per second of "
+            f"{d.drives().describe()}; drive writes per day = bytes written per second of "
             f"the scenario × 86400 ÷ their {d.count * d.capacity_tb:g} TB.")
 
 
@@ -502,7 +499,7 @@ def plot_cdf(runs: list[RunData], out: Path) -> list[str]:
         for rec in r.records:
             if rec.get("kind") == "request" and rec.get("scenario") == "agents" and "error" not in rec \
                     and rec.get("reusable_tokens", 0) > 0 \
-                    and rec["t_start"] >= (active.get((rec["setup"], rec["concurrency"])) or 0):
+                    and all_active(rec, active.get((rec["setup"], rec["concurrency"]))):
                 label = f"{r.run_id}:{rec['setup']}" if multi else rec["setup"]
                 data[(label, rec["concurrency"])].append(rec["ttft_s"])
     if not data:

@@ -137,6 +137,11 @@ class DrivesDeclared(_M):
     warranty_years: float
     rated_dwpd: float = Field(description="dwpd, or tbw / (capacity_tb x 365 x warranty_years)")
 
+    def drives(self) -> Drives:
+        """The drives this declares, as kvlab.wear computes with them (drives_declared's inverse)."""
+        return Drives(count=self.count, capacity_tb=self.capacity_tb, dwpd=self.dwpd, tbw=self.tbw,
+                      warranty_years=self.warranty_years, model=self.model)
+
 
 class SetupSummary(_M):
     skipped: str | None = None
@@ -265,6 +270,13 @@ def _over(value: float | None, ref: RecomputeReference | None) -> float | None:
     return value / ref.ttft_s if value is not None and ref and ref.ttft_s else None
 
 
+def all_active(request: dict[str, Any], all_active_t: float | None) -> bool:
+    """Whether an agents request was sent in the steady state, once every agent was active
+    (its step's `all_active_t`; None: no ramp, as in a trace). Before, the agents' first turns
+    (which no tier can save) queue in front of the earliest returning turns, whatever the tier."""
+    return all_active_t is None or request["t_start"] >= all_active_t
+
+
 def agents_load_fields(step: dict[str, Any]) -> dict[str, Any]:
     """An agents step's load: its working set against the engine's own cache, and the saves
     kvlab dropped."""
@@ -343,10 +355,8 @@ def summarize_setup(name: str, recs: list[dict], baseline: SetupSummary | None,
         min_frac = step.get("hit_min_fraction", 0.5)
         turns = [Turn(r["prompt_tokens"], r.get("cached_tokens") or 0, r["reusable_tokens"]) for r in ok]
         returning = [r for r in ok if r["reusable_tokens"] > 0]
-        # The steady state: once every agent is active. Before, the agents' first turns (which
-        # no tier can save) queue in front of the earliest returning turns, whatever the tier.
         active = step.get("all_active_t")
-        ret_ttft = [r["ttft_s"] for r in returning if active is None or r["t_start"] >= active]
+        ret_ttft = [r["ttft_s"] for r in returning if all_active(r, active)]
         per_agent: dict[int, list[tuple[int, float, float]]] = defaultdict(list)
         for r in ok:
             per_agent[r["agent"]].append((r["output_tokens"], r["ttft_s"], r["total_s"]))
