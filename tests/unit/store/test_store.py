@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 
 from kvlab_connector.ring import StagingRing
 from kvlab_connector.store import ObjectShape, Store
+from kvlab_connector.store.memory import HostMemory
 
 NS = "ab" * 16
 SHAPE = ObjectShape(n_sections=4, section_bytes=3 * 4096 + 100)  # not page-aligned on purpose
@@ -428,3 +430,51 @@ def test_a_drive_that_refuses_files_fails_the_write_cleanly(tmp_path: Path, ring
         w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: ring.release(slot))
     assert w.done.result(timeout=30) is False
     assert ring.in_use == 0 and store.stats.writes_aborted == 1
+
+
+class _SealWatch(HostMemory):
+    """The host memory, noting which thread seals each section; optionally failing a seal."""
+
+    def __init__(self, fail_section: int | None = None):
+        self.threads: list[int] = []
+        self.fail_section = fail_section
+
+    def seal(self, fields, section, buf):  # type: ignore[no-untyped-def]
+        self.threads.append(threading.get_ident())
+        if section == self.fail_section:
+            raise RuntimeError("seal failed")
+        super().seal(fields, section, buf)
+
+
+def test_sections_are_sealed_on_the_io_threads_not_the_callers(tmp_path: Path) -> None:
+    # The seal (an xxh3 over the whole payload) ran in submit_section: on a CPU engine, in the
+    # forward pass's thread.
+    store = Store([str(tmp_path / "d0")], capacity_bytes=1 << 30)
+    ring = StagingRing(8 * SHAPE.stride, SHAPE.stride)
+    memory = _SealWatch()
+    w = store.begin_write(NS, key(1), SHAPE, num_tokens=512)
+    for s in range(SHAPE.n_sections):
+        slot = ring.acquire(timeout_s=10)
+        ring.buffer(slot)[:SHAPE.section_bytes] = payload(1, s)
+        w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: ring.release(slot), memory)
+    assert w.done.result(timeout=30)
+    assert len(memory.threads) == SHAPE.n_sections
+    assert threading.get_ident() not in memory.threads
+    assert get(store, ring, 1) == [payload(1, s) for s in range(SHAPE.n_sections)]
+    store.close()
+
+
+def test_a_failed_seal_fails_the_object_not_the_caller(tmp_path: Path) -> None:
+    store = Store([str(tmp_path / "d0")], capacity_bytes=1 << 30)
+    ring = StagingRing(8 * SHAPE.stride, SHAPE.stride)
+    memory = _SealWatch(fail_section=2)
+    released: list[bool] = []
+    w = store.begin_write(NS, key(2), SHAPE, num_tokens=512)
+    for s in range(SHAPE.n_sections):
+        slot = ring.acquire(timeout_s=10)
+        w.submit_section(s, ring.buffer(slot), lambda ok, slot=slot: (released.append(ok), ring.release(slot)), memory)
+    assert w.done.result(timeout=30) is False
+    assert len(released) == SHAPE.n_sections and not all(released)
+    assert ring.in_use == 0
+    assert get(store, ring, 2) == [None] * SHAPE.n_sections
+    store.close()

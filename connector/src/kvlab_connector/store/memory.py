@@ -66,6 +66,7 @@ class OpenObject(list):
 @dataclass(frozen=True)
 class QueuedWrite:
     offset: int
+    section: int
     buf: Any  # shape.stride bytes in `memory`: a host memoryview or a device tensor
     nbytes: int
     on_done: Callable[[bool], None]

@@ -1,4 +1,4 @@
-"""The store's writer: one object's sections, checksummed and queued as they come, written
+"""The store's writer: one object's sections, queued as they come, checksummed and written
 by the I/O threads as few large requests per fragment file, committed by renames once every
 section is on the drives.
 
@@ -11,6 +11,7 @@ leave fragments of both: each section's trailer names its write, and a reader ta
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ from kvlab_connector.store.ledger import Ledger, make_key_dir, unlink_quietly
 from kvlab_connector.store.memory import HOST, FragmentFile, QueuedWrite, SectionMemory
 from kvlab_connector.store.stats import Recorder
 
+log = logging.getLogger("vllm.kvlab_connector")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full drive, or the store's user's quota
 # One write request carries at most this much (and fewer buffers than IOV_MAX, 1024).
 MAX_WRITE_BYTES = 8 << 20
@@ -114,17 +116,14 @@ class ObjectWriter:
     def submit_section(
         self, section: int, buf: Any, on_done: Callable[[bool], None], memory: SectionMemory = HOST
     ) -> None:
-        """Checksum and queue a section whose payload is in buf[:section_bytes] (at least
-        shape.stride bytes of `memory`, writable); on_done(ok) runs when the buffer may be
-        reused, also when the section is refused (ValueError: the writer then fails)."""
+        """Queue a section whose payload is in buf[:section_bytes] (at least shape.stride
+        bytes of `memory`, writable); on_done(ok) runs when the buffer may be reused, also
+        when the section is refused (ValueError: the writer then fails). The checksum and
+        trailer are written by the I/O thread that writes the section, not here: on a CPU
+        engine the caller is the forward pass."""
         view, nbytes, problem = memory.section(section, buf)
         if not self._admit(section, nbytes, problem, on_done):
             return
-        try:
-            memory.seal(self.fields, section, view)
-        except Exception:
-            self._unadmit(on_done)
-            raise
         self._queue(section, view[:self.shape.stride], on_done, memory)
 
     def _admit(self, section: object, nbytes: int, problem: str | None, on_done: Callable[[bool], None]) -> bool:
@@ -155,11 +154,6 @@ class ObjectWriter:
             raise ValueError(f"kvlab store: object {self.key}: {problem}; the object is not written")
         return False
 
-    def _unadmit(self, on_done: Callable[[bool], None]) -> None:
-        """A section admitted but never queued (its checksum or trailer failed)."""
-        on_done(False)
-        self._section_done(False)
-
     def _finishing(self) -> bool:
         """Under the lock: whether the writer is over now, and this caller is the one to
         commit or discard it (exactly one is)."""
@@ -173,7 +167,7 @@ class ObjectWriter:
     def _queue(self, section: int, buf: Any, on_done: Callable[[bool], None], memory: SectionMemory) -> None:
         frag, offset = self.fragments.placement(self.key, self.shape, section)
         with self._lock:
-            self._queued[frag].append(QueuedWrite(offset, buf, self.shape.stride, on_done, memory))
+            self._queued[frag].append(QueuedWrite(offset, section, buf, self.shape.stride, on_done, memory))
             start = not self._draining[frag]
             self._draining[frag] = True
         if start:
@@ -201,11 +195,17 @@ class ObjectWriter:
         t0 = time.perf_counter()
         if not self._failed:
             try:
+                for q in run:
+                    q.memory.seal(self.fields, q.section, q.buf)
+                t0 = time.perf_counter()  # the write's own time
                 ok = run[0].memory.write(self._open(frag), run)
-            except Exception as e:  # an I/O error (or a device error): the object is not written
+            except Exception as e:  # a seal, an I/O or a device error: the object is not written
                 ok = False
-                if isinstance(e, OSError) and e.errno in _NO_SPACE:
-                    self._out_of_space = True
+                if isinstance(e, OSError):
+                    if e.errno in _NO_SPACE:
+                        self._out_of_space = True
+                else:
+                    log.exception("kvlab store: object %s: sealing or writing a section failed", self.key)
             self.stats.note_write(t0, sum(q.nbytes for q in run), ok, drive=frag)  # fragment f is on drive f
         for q in run:
             q.on_done(ok)
