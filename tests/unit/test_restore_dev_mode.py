@@ -55,3 +55,29 @@ def test_network_engine_says_it_cannot_reset(tmp_path: Path, monkeypatch: pytest
 def test_reset_prefix_cache_refuses_an_engine_without_dev_mode(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="no /reset_prefix_cache"):
         server("0.0.0.0", tmp_path).reset_prefix_cache()
+
+
+def test_a_request_record_carries_its_answers_digest_where_the_ids_came_back() -> None:
+    from kvlab.client import Completion
+
+    def fields(ids: list[int] | None) -> dict:
+        return scenarios.completion_fields(Completion(0.1, 0.2, 3, 64, 0, "", token_ids=ids))
+
+    assert "output_digest" not in fields(None)
+    a, b = fields([5, 17, 2])["output_digest"], fields([5, 172])["output_digest"]
+    assert a == fields([5, 17, 2])["output_digest"] and a != b and len(a) == 16
+
+
+def test_every_restore_request_asks_for_its_answers_token_ids(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    srv = server("127.0.0.1", tmp_path)
+    asked: dict[str, bool] = {}
+    monkeypatch.setattr(srv, "reset_prefix_cache", lambda: None)
+    monkeypatch.setattr(scenarios, "measured",
+                        lambda t, prompt, n, base, **kw: asked.update({base["phase"]: kw.get("token_ids", False)}))
+    monkeypatch.setattr(scenarios.time, "sleep", lambda s: None)
+    t = scenarios.Target("kvlab", srv, "tiny", None, lambda r: None, lambda n: None, lambda ph: None)
+    sc = RestoreScenario(tokens=64, warm_repeats=1, restart_repeats=0, drop_page_cache=False, settle_s=0)
+    for step in restore_steps("kvlab", restore_spec(sc)):
+        scenarios.run_step(t, step, 0, lambda: 1.0)
+    assert asked == {"warmup": False, "compute": True, "warm": True}, asked

@@ -10,6 +10,7 @@ Each scenario runs as the plan's steps (kvlab.harness.plan): `run_step` does one
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import time
@@ -218,16 +219,24 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
+def output_digest(token_ids: Sequence[int]) -> str:
+    """What an answer was, in a record: two answers agree exactly when their digests do."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
 def completion_fields(c: Completion) -> dict[str, Any]:
-    return {"ttft_s": c.ttft_s, "total_s": c.total_s, "output_tokens": c.output_tokens,
-            "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens, "max_gap_s": c.max_gap_s}
+    out = {"ttft_s": c.ttft_s, "total_s": c.total_s, "output_tokens": c.output_tokens,
+           "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens, "max_gap_s": c.max_gap_s}
+    if c.token_ids is not None:
+        out["output_digest"] = output_digest(c.token_ids)
+    return out
 
 
 def measured(t: Target, prompt: list[int] | tuple[int, ...], max_tokens: int, base: dict[str, Any],
              with_counters: bool = True, phases: bool = False, token_ids: bool = False) -> Completion | None:
     """One request, recorded with the counters' change over it (when nothing else runs);
     with phases, an LMCache MP setup's restore phases too (`lmcache`); with token_ids, the
-    Completion carries the generated token ids (not recorded: the next prompt holds them)."""
+    Completion carries the generated token ids and the record their digest (`output_digest`)."""
     before = t.counters() if with_counters else {}
     lm = t.lmcache_scrape() if phases and t.uses_lmcache_mp() else None
     t0 = time.time()
@@ -255,7 +264,7 @@ def restore_compute(t: Target, sc: RestoreSpec, seed: int) -> None:
     t.set_phase("restore:compute")
     warm_up(t, sc, seed, 0)
     c = measured(t, restore_prompt(sc, seed), sc.output_tokens,
-                 {"scenario": "restore", "tokens": sc.tokens, "phase": "compute"}, phases=True)
+                 {"scenario": "restore", "tokens": sc.tokens, "phase": "compute"}, phases=True, token_ids=True)
     if c:
         t.note(f"{t.setup}: computed {sc.tokens} tokens in {c.ttft_s:.2f} s (cached {c.cached_tokens})")
     time.sleep(sc.settle_s)  # saves are asynchronous: let the last writes land
@@ -267,7 +276,7 @@ def restore_recompute(t: Target, sc: RestoreSpec, seed: int) -> None:
     for i in range(sc.recompute_prompts):
         fresh = token_ids(f"{seed}:restore:recompute{i}", sc.tokens)
         c = measured(t, fresh, sc.output_tokens, {"scenario": "restore", "tokens": sc.tokens, "phase": "recompute",
-                                                  "repeat": i})
+                                                  "repeat": i}, token_ids=True)
         if c:
             t.note(f"{t.setup}: recompute reference {i + 1}/{sc.recompute_prompts}: {c.ttft_s:.3f} s "
                    f"(cached {c.cached_tokens})")
@@ -287,7 +296,7 @@ def restore_warm(t: Target, sc: RestoreSpec, seed: int, i: int) -> None:
     if sc.prefix_caching:  # without a prefix cache the running engine already has to restore
         t.server.reset_prefix_cache()
     c = measured(t, restore_prompt(sc, seed), sc.output_tokens,
-                 {"scenario": "restore", "tokens": sc.tokens, "phase": "warm", "repeat": i}, phases=True)
+                 {"scenario": "restore", "tokens": sc.tokens, "phase": "warm", "repeat": i}, phases=True, token_ids=True)
     if c:
         t.note(f"{t.setup}: warm restore {c.ttft_s:.3f} s (cached {c.cached_tokens})")
 
@@ -299,7 +308,7 @@ def restore_restart(t: Target, sc: RestoreSpec, seed: int, i: int, restart: Call
     drop = page_cache_fields(refused) if sc.drop_page_cache else {"page_cache_dropped": None}
     c = measured(t, restore_prompt(sc, seed), sc.output_tokens,
                  {"scenario": "restore", "tokens": sc.tokens, "phase": "restart", "repeat": i,
-                  "engine_start_s": start_s, **drop}, phases=True)
+                  "engine_start_s": start_s, **drop}, phases=True, token_ids=True)
     if c:
         t.note(f"{t.setup}: restore after restart {c.ttft_s:.3f} s (cached {c.cached_tokens})")
     time.sleep(sc.settle_s)
