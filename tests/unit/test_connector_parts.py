@@ -86,3 +86,20 @@ def test_ring_is_bounded_and_page_aligned() -> None:
     assert ring.acquire(timeout_s=0) == slots[0]
     with pytest.raises(ValueError, match="ring_bytes"):
         StagingRing(4096, 8192)
+
+
+@pytest.mark.parametrize("policy", ["fail", None])
+def test_the_connector_refuses_a_load_failure_policy_other_than_recompute(policy: str | None) -> None:
+    # The engine tier shows once that a connector's ConfigError stops a real engine with its
+    # reason (tests/engine/test_engine_control.py); which settings are refused is checked here.
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvlab_connector.vllm_connector import KvlabConnector
+
+    kvt = SimpleNamespace(kv_connector_extra_config={"paths": ["/nonexistent"]})
+    if policy is not None:
+        kvt.kv_load_failure_policy = policy
+    with pytest.raises(ConfigError, match=r"kv_load_failure_policy = \"recompute\""):
+        KvlabConnector(SimpleNamespace(kv_transfer_config=kvt), KVConnectorRole.SCHEDULER)
