@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
-from kvlab_connector.config import ConfigError, ConnectorConfig
+from kvlab_connector.config import ConfigError, ConnectorConfig, check_load_failure_policy
 from kvlab_connector.keys import chunk_keys, model_fingerprint, namespace
 from kvlab_connector.ring import RingFull, StagingRing
 
@@ -88,31 +89,11 @@ def test_ring_is_bounded_and_page_aligned() -> None:
         StagingRing(4096, 8192)
 
 
-REFUSED_POLICIES = """
-from types import SimpleNamespace
-from kvlab_connector.config import ConfigError
-from kvlab_connector.vllm_connector import KvlabConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-for policy in ("fail", None):
-    kvt = SimpleNamespace(kv_connector_extra_config={"paths": ["/nonexistent"]})
-    if policy is not None:
-        kvt.kv_load_failure_policy = policy
-    try:
-        KvlabConnector(SimpleNamespace(kv_transfer_config=kvt), KVConnectorRole.SCHEDULER)
-        print(policy, "accepted")
-    except ConfigError as e:
-        print(policy, "refused:", e)
-"""
-
-
-def test_the_connector_refuses_a_load_failure_policy_other_than_recompute() -> None:
+@pytest.mark.parametrize("policy", ["fail", None])
+def test_the_connector_refuses_a_load_failure_policy_other_than_recompute(policy: str | None) -> None:
     # The engine tier shows once that a connector's ConfigError stops a real engine with its
-    # reason (tests/engine/test_engine_control.py); which settings are refused is checked here,
-    # in a process of its own: vLLM's import does not survive the patches other tests' imports
-    # (Ansible's) leave in this one.
-    r = subprocess.run([sys.executable, "-c", REFUSED_POLICIES], capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("fail ", "None "))]
-    assert r.returncode == 0 and len(lines) == 2, r.stderr[-2000:]
-    for line in lines:
-        assert 'refused: kvlab connector needs kv_transfer_config.kv_load_failure_policy = "recompute"' in line, line
+    # reason (tests/engine/test_engine_control.py); which settings are refused is checked here.
+    kvt = SimpleNamespace() if policy is None else SimpleNamespace(kv_load_failure_policy=policy)
+    with pytest.raises(ConfigError, match=r'kv_load_failure_policy = "recompute" \(it is '):
+        check_load_failure_policy(kvt)
+    check_load_failure_policy(SimpleNamespace(kv_load_failure_policy="recompute"))

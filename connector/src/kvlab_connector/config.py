@@ -22,6 +22,16 @@ CAPACITY_BYTES = 64 << 30
 RING_BYTES = 256 << 20
 
 
+def check_load_failure_policy(kv_transfer_config: Any) -> None:
+    """vLLM's kv_load_failure_policy must be "recompute" (vLLM's default is "fail")."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "fail")
+    if policy != "recompute":
+        raise ConfigError(
+            "kvlab connector needs kv_transfer_config.kv_load_failure_policy = \"recompute\" "
+            f"(it is {policy!r}): a missing or corrupt object must be recomputed, not fail the request"
+        )
+
+
 def is_positive_int(v: Any) -> bool:
     """An int above zero (a JSON `true` is not a count)."""
     return isinstance(v, int) and not isinstance(v, bool) and v > 0

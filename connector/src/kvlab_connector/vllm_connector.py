@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvlab_connector import metrics
-from kvlab_connector.config import ConfigError, ConnectorConfig
+from kvlab_connector.config import ConnectorConfig, check_load_failure_policy
 from kvlab_connector.keys import model_fingerprint
 from kvlab_connector.layout import layout_from_vllm
 from kvlab_connector.scheduler import SchedulerSide, StepMetadata
@@ -38,12 +38,7 @@ class KvlabConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
         kvt = vllm_config.kv_transfer_config
-        policy = getattr(kvt, "kv_load_failure_policy", "fail")
-        if policy != "recompute":
-            raise ConfigError(
-                "kvlab connector needs kv_transfer_config.kv_load_failure_policy = \"recompute\" "
-                f"(it is {policy!r}): a missing or corrupt object must be recomputed, not fail the request"
-            )
+        check_load_failure_policy(kvt)
         self.config = ConnectorConfig.from_extra(dict(kvt.kv_connector_extra_config or {}))
         fingerprint = self.config.model_fingerprint or model_fingerprint(vllm_config.model_config.model)
         self.layout = layout_from_vllm(vllm_config, kv_cache_config, self.config.chunk_tokens, fingerprint)
