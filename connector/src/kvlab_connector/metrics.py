@@ -29,9 +29,10 @@ def metrics() -> dict[str, Any] | None:
             from prometheus_client import Counter, Gauge, Histogram
         except ImportError:
             return None
-        _metrics = {c.name: Counter(c.prometheus, c.help) for c in COUNTERS if c.prometheus}
-        _metrics |= {c.name: Counter(c.prometheus, c.help, ["drive"]) for c in PER_DRIVE if c.prometheus}
-        _metrics |= {
+        # Built whole, then published: the I/O threads read _metrics without the lock.
+        registry = {c.name: Counter(c.prometheus, c.help) for c in COUNTERS if c.prometheus}
+        registry |= {c.name: Counter(c.prometheus, c.help, ["drive"]) for c in PER_DRIVE if c.prometheus}
+        registry |= {
             "io_latency": Histogram(
                 "kvlab_io_latency_seconds", "latency of one section's I/O",
                 buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
@@ -45,6 +46,7 @@ def metrics() -> dict[str, Any] | None:
             "io_mode": Gauge("kvlab_io_mode_info", "I/O mode in use", ["mode"]),
             "ring_in_use": Gauge("kvlab_ring_slots_in_use", "staging ring slots in use"),
         }
+        _metrics = registry
         return _metrics
 
 

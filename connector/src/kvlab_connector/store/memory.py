@@ -171,8 +171,10 @@ class HostMemory(SectionMemory):
                 ]
             except Exception:  # an I/O error, or anything else: those sections are misses
                 oks = [False] * len(sections)
-            parts.stats.note_read(t0, oks, shape.stride)
-            out.set_result(oks)
+            try:
+                parts.stats.note_read(t0, oks, shape.stride)
+            finally:  # whatever the accounting does, the read resolves
+                out.set_result(oks)
 
         inner.add_done_callback(done)
         return out
@@ -250,8 +252,10 @@ class DeviceMemory(SectionMemory):
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                parts.stats.note_read(t0, oks, shape.stride)
-                out.set_result(oks)
+                try:
+                    parts.stats.note_read(t0, oks, shape.stride)
+                finally:  # whatever the accounting does, the read resolves
+                    out.set_result(oks)
 
         for i in range(len(sections)):
             parts.engine.submit(one, i)

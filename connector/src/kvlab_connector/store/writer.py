@@ -206,7 +206,10 @@ class ObjectWriter:
                         self._out_of_space = True
                 else:
                     log.exception("kvlab store: object %s: sealing or writing a section failed", self.key)
-            self.stats.note_write(t0, sum(q.nbytes for q in run), ok, drive=frag)  # fragment f is on drive f
+            try:
+                self.stats.note_write(t0, sum(q.nbytes for q in run), ok, drive=frag)  # fragment f is on drive f
+            except Exception:  # counting failed: the sections must still come back to their owners
+                log.exception("kvlab store: counting a write failed")
         for q in run:
             q.on_done(ok)
             self._section_done(ok)
