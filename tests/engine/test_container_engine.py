@@ -1,7 +1,7 @@
 """`--engine container`: the setups run from the CPU serving image (images/serve) and behave as
 the venv's engines: the same restored tokens and the same greedy outputs (each restore
-request's `output_digest`). The restore TTFT ratio
-(container over venv) is printed, never asserted (two cores shared with everything else)."""
+request's `output_digest`). The restore TTFT ratio (container over venv) is printed, never
+asserted (two cores shared with everything else)."""
 
 from __future__ import annotations
 
