@@ -386,3 +386,37 @@ def test_a_step_with_nothing_to_load_or_save_takes_no_lock_and_wakes_no_thread(
         meta = StepMetadata()
         assert forward_step(w, kv, meta) == set()
         assert w.get_finished({"done-1"}) == set()
+
+
+class CountingEngine(PosixEngine):
+    """Counts what is handed to the I/O threads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed = 0
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def]
+        self.handed += 1
+        return super().submit(fn, *args)
+
+
+def test_a_cpu_engines_saves_reach_the_io_threads_at_the_steps_end_not_between_its_layers(tmp_path: Path) -> None:
+    """On a CPU engine the I/O threads share the forward pass's cores (and its GIL): a
+    section's write starts once the step's forward is done, not between its layers."""
+    engine = CountingEngine()
+    w, kv = worker(tmp_path, engine=engine)
+    meta = StepMetadata(saves=[ChunkIO("a" * 32, [2, 3], "r1"), ChunkIO("b" * 32, [4, 5], "r1")])
+    w.start_load(meta)
+    before = engine.handed
+    for name, t in kv.items():
+        w.wait_for_layer(name)
+        w.save_layer(name, t, meta)
+    assert engine.handed == before, "a section went to the I/O threads during the forward pass"
+    w.end_step(meta)
+    assert engine.handed > before
+    settle(w)
+    assert w.store.stats.objects_written == 2
+    saved = {n: t[[2, 3, 4, 5]].clone() for n, t in kv.items()}
+    assert load(w, kv, [ChunkIO("a" * 32, [10, 11]), ChunkIO("b" * 32, [12, 13])]) == set()
+    for n, t in kv.items():
+        assert torch.equal(t[[10, 11, 12, 13]], saved[n])

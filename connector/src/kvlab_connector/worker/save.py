@@ -1,7 +1,8 @@
 """The worker's save pipeline: vLLM's paged KV cache to the drives, never waiting for one.
 
 `save_layer` copies the layer's blocks of each object planned this step into a ring slot
-of the medium and queues the write. No free slot: the object is dropped and counted.
+of the medium and queues the write (on a CPU engine at the step's end: see
+media.HostCopies). No free slot: the object is dropped and counted.
 A finished request's last objects are copied out at the start of the next step
 (`save_finished`) and vLLM holds their blocks only until the end of that step.
 
@@ -39,6 +40,9 @@ class SavePipeline:
         # This step's last sections of saves by requests that also load this step: handed
         # to their writers at end_step, once the loads have verified (else aborted).
         self._held: list[tuple[ChunkIO, ObjectWriter, Callable[[bool], None], Callable[[], Any]]] = []
+        # This step's other copied sections, handed to their writers at end_step where the
+        # cache's copies ask for it (CacheCopies.writes_after_step: a CPU engine).
+        self._step_writes: list[Callable[[], Any]] = []
         # Finished requests whose blocks vLLM holds: the writes of their last objects.
         self._finished: set[str] = set()  # finished requests whose last objects are copied out
         self.saves_dropped = 0
@@ -136,6 +140,8 @@ class SavePipeline:
         go = self.t.cache.copies.copy_out(kv_layer, blocks_dim, block_ids, dst, submit, fail)
         if hold is not None:
             self._held.append((hold, writer, release, go))
+        elif self.t.cache.copies.writes_after_step:
+            self._step_writes.append(go)
         else:
             go()
 
@@ -183,6 +189,9 @@ class SavePipeline:
         """After the forward and the loads' accounting: saves are queued, not waited for."""
         if self._held:
             self._release_held()
+        writes, self._step_writes = self._step_writes, []
+        for go in writes:
+            go()
         # vLLM may reuse the saved blocks from the next step on: the forward stream
         # waits (on the GPU, not the host) for this step's save copies.
         self.t.cache.copies.forward_waits()
