@@ -189,9 +189,10 @@ class SavePipeline:
         """After the forward and the loads' accounting: saves are queued, not waited for."""
         if self._held:
             self._release_held()
-        writes, self._step_writes = self._step_writes, []
-        for go in writes:
-            go()
+        if self._step_writes:
+            writes, self._step_writes = self._step_writes, []
+            for go in writes:
+                go()
         # vLLM may reuse the saved blocks from the next step on: the forward stream
         # waits (on the GPU, not the host) for this step's save copies.
         self.t.cache.copies.forward_waits()
