@@ -56,17 +56,19 @@ class Workload:
     decode_prompt_tokens: int = 576  # one 512-token chunk and a part: no save is due while it decodes
     decode_tokens: int = 128
     # A request's decode rate on two cores swings with where the scheduler puts the engine's
-    # three processes (measured in one life: 71 to 147 tokens/s across 12 requests of one
-    # shape; a step takes ~8 or ~16 ms): a life's rate pools its requests (tokens over decoding
-    # time), which such a two-mode spread moves less than it moves a median of ten.
-    decode_requests: int = 10
+    # three processes (measured in one life: 62 to 169 tokens/s, in streaks; a step takes ~8 or
+    # ~16 ms): a life's rate pools its requests (tokens over decoding time), and twenty of them
+    # keep the pooled rate of one life within 100-114 tokens/s where ten spread it over 80-131.
+    decode_requests: int = 20
     miss_prompt_tokens: int = 100
-    miss_requests: int = 5
+    # A miss takes ~20 ms, so a streak covers several back to back: each follows a decode
+    # request instead (`life_order`), and the life's median samples its streaks as decode does.
+    miss_requests: int = 20
     save_prompt_tokens: int = 4096  # eight 512-token chunks, computed and saved
     save_requests: int = 5
     decode_save_prompt_tokens: int = 960  # the second chunk fills at the 64th decoded token
     decode_save_tokens: int = 128
-    decode_save_requests: int = 10
+    decode_save_requests: int = 20
 
 
 @dataclass(frozen=True)
@@ -165,20 +167,25 @@ def engine_params(model: Path, work: Path, w: Workload) -> setups.EngineParams:
     )
 
 
-def decodes(url: str, key: str, prompt_tokens: int, tokens: int, requests: int) -> list[tuple[int, float, float]]:
-    """Fresh prompts (keyed `key` and their index) answered with `tokens`: each one's
-    (output_tokens, ttft_s, total_s)."""
-    out = []
-    for i in range(requests):
-        c = complete(url, "tiny", token_ids(f"{key}{i}", prompt_tokens), tokens)
-        out.append((c.output_tokens, c.ttft_s, c.total_s))
-    return out
+def decode(url: str, key: str, prompt_tokens: int, tokens: int) -> tuple[int, float, float]:
+    """A fresh prompt (keyed `key`) answered with `tokens`: its (output_tokens, ttft_s, total_s)."""
+    c = complete(url, "tiny", token_ids(key, prompt_tokens), tokens)
+    return c.output_tokens, c.ttft_s, c.total_s
 
 
 def rates_of(requests: list[tuple[int, float, float]]) -> tuple[float | None, tuple[float, ...]]:
     """The requests' pooled decode rate, and each one's (the JSON's raw)."""
     each = (metrics.decode_rate(*r) for r in requests)
     return metrics.pooled_decode_rate(requests), tuple(r for r in each if r is not None)
+
+
+def life_order(w: Workload) -> list[str]:
+    """The order of a life's decode and miss requests: a miss after each decode, so that the
+    misses spread over the life's streaks; those of the larger count left over come last."""
+    order = []
+    for i in range(max(w.decode_requests, w.miss_requests)):
+        order += [kind for kind, n in (("decode", w.decode_requests), ("miss", w.miss_requests)) if i < n]
+    return order
 
 
 def engine_measure(params: setups.EngineParams, work: Path, w: Workload) -> Measure:
@@ -193,14 +200,20 @@ def engine_measure(params: setups.EngineParams, work: Path, w: Workload) -> Meas
             # its threads' start) fall into it: measured, the first of 3 decodes ran at 22 tok/s
             # against 49 and 81 after it, when the warm-up was a short prompt.
             complete(url, "tiny", token_ids(f"overhead:{repeat}:warmup", w.decode_prompt_tokens), w.decode_tokens)
-            rate, rates = rates_of(decodes(url, f"overhead:{repeat}:decode", w.decode_prompt_tokens,
-                                           w.decode_tokens, w.decode_requests))
-            misses = [complete(url, "tiny", token_ids(f"overhead:{repeat}:miss{i}", w.miss_prompt_tokens), 1).ttft_s
-                      for i in range(w.miss_requests)]
+            done: list[tuple[int, float, float]] = []
+            misses: list[float] = []
+            for kind in life_order(w):
+                if kind == "decode":
+                    done.append(decode(url, f"overhead:{repeat}:decode{len(done)}", w.decode_prompt_tokens,
+                                       w.decode_tokens))
+                else:
+                    misses.append(complete(url, "tiny", token_ids(f"overhead:{repeat}:miss{len(misses)}",
+                                                                  w.miss_prompt_tokens), 1).ttft_s)
+            rate, rates = rates_of(done)
             saves = [complete(url, "tiny", token_ids(f"overhead:{repeat}:save{i}", w.save_prompt_tokens), 1).ttft_s
                      for i in range(w.save_requests)]
-            save_rate, save_rates = rates_of(decodes(url, f"overhead:{repeat}:decsave", w.decode_save_prompt_tokens,
-                                                     w.decode_save_tokens, w.decode_save_requests))
+            save_rate, save_rates = rates_of([decode(url, f"overhead:{repeat}:decsave{i}", w.decode_save_prompt_tokens,
+                                                     w.decode_save_tokens) for i in range(w.decode_save_requests)])
         finally:
             server.stop()
         if rate is None or save_rate is None:
@@ -239,7 +252,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--repeats", type=int, default=7, help="engine lives per setup (>= 7 for the medians)")
     o.add_argument("--decode-requests", type=int, default=Workload.decode_requests,
                    help="decode requests per life, of each kind (with nothing to save; while a chunk is saved)")
-    o.add_argument("--miss-requests", type=int, default=Workload.miss_requests)
+    o.add_argument("--miss-requests", type=int, default=Workload.miss_requests,
+                   help="fresh 100-token prompts per life, each after a decode request")
     o.add_argument("--save-requests", type=int, default=Workload.save_requests,
                    help="fresh prompts computed and saved per life")
     o.add_argument("--workdir", type=Path, default=None)

@@ -133,6 +133,18 @@ def test_the_engines_hold_the_saved_prompt_and_seven_repeats_are_the_default(tmp
     assert sub.choices["overhead"].parse_args([]).repeats >= 7
 
 
+def test_a_lifes_misses_each_follow_a_decode_request_so_they_sample_the_whole_life() -> None:
+    # 20 misses of ~20 ms back to back fall in one of a life's streaks; after each decode they
+    # spread over it
+    order = bo.life_order(bo.Workload(decode_requests=4, miss_requests=4))
+    assert order == ["decode", "miss"] * 4
+    uneven = bo.life_order(bo.Workload(decode_requests=3, miss_requests=5))
+    assert uneven == ["decode", "miss"] * 3 + ["miss", "miss"]
+    w = bo.Workload()
+    assert bo.life_order(w).count("decode") == w.decode_requests >= 20
+    assert bo.life_order(w).count("miss") == w.miss_requests >= 20
+
+
 def test_a_repeat_count_below_one_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "overhead", "--repeats", "0"]) == 2
     assert "--repeats 0" in capsys.readouterr().err
