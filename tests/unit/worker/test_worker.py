@@ -420,3 +420,28 @@ def test_a_cpu_engines_saves_reach_the_io_threads_at_the_steps_end_not_between_i
     assert load(w, kv, [ChunkIO("a" * 32, [10, 11]), ChunkIO("b" * 32, [12, 13])]) == set()
     for n, t in kv.items():
         assert torch.equal(t[[10, 11, 12, 13]], saved[n])
+
+
+def test_a_cpu_step_that_saves_more_than_the_ring_holds_drops_nothing(tmp_path: Path) -> None:
+    """Deferring a CPU step's writes to its end must not hold more slots than the ring has:
+    a long prompt in one step (the demo's 30K tokens: 480 sections against 256 slots) lost
+    every object when all its sections waited for end_step. Past half the ring, the step's
+    sections go to the I/O threads at once, which the next layer's forward gives time."""
+    w, kv = worker(tmp_path)
+    slots = w.ring.num_slots
+    n = slots // 2 - 4  # one layer's sections fit in half the ring; the step's do not fit the ring
+    assert n * LAYERS > slots
+    meta = StepMetadata(saves=[ChunkIO(f"{i:032x}", [2, 3], "r1") for i in range(n)])
+    w.start_load(meta)
+    for name, t in kv.items():
+        w.wait_for_layer(name)
+        w.save_layer(name, t, meta)
+        settle(w)  # the next layer's forward: time for the writes already handed on
+    w.end_step(meta)
+    settle(w)
+    assert w.saves_dropped == 0
+    assert w.store.stats.objects_written == n
+    assert w.ring.in_use == 0
+    assert load(w, kv, [ChunkIO(f"{n - 1:032x}", [10, 11])]) == set()
+    for t in kv.values():
+        assert torch.equal(t[[10, 11]], t[[2, 3]])

@@ -178,7 +178,9 @@ class HostCopies(CacheCopies):
     the forward pass computes on, where every parallel region waits for its slowest thread:
     measured within engine lives on two cores, a fresh 4K-token prompt computed and saved
     took 1.04-1.05x the TTFT of the same prompt computed and not saved when its writes were
-    handed on layer by layer, 1.02-1.03x when they were handed on at the step's end."""
+    handed on layer by layer, 1.02-1.03x when they were handed on at the step's end.
+    Only while the ring is at most half used (SavePipeline._save_section): a longer step's
+    sections would otherwise take every slot and drop its objects."""
 
     writes_after_step = True
 

@@ -1,8 +1,8 @@
 """The worker's save pipeline: vLLM's paged KV cache to the drives, never waiting for one.
 
 `save_layer` copies the layer's blocks of each object planned this step into a ring slot
-of the medium and queues the write (on a CPU engine at the step's end: see
-media.HostCopies). No free slot: the object is dropped and counted.
+of the medium and queues the write (on a CPU engine at the step's end while the ring is
+at most half used: see media.HostCopies). No free slot: the object is dropped and counted.
 A finished request's last objects are copied out at the start of the next step
 (`save_finished`) and vLLM holds their blocks only until the end of that step.
 
@@ -140,10 +140,21 @@ class SavePipeline:
         go = self.t.cache.copies.copy_out(kv_layer, blocks_dim, block_ids, dst, submit, fail)
         if hold is not None:
             self._held.append((hold, writer, release, go))
-        elif self.t.cache.copies.writes_after_step:
+        elif self.t.cache.copies.writes_after_step and 2 * medium.ring.in_use <= medium.ring.num_slots:
             self._step_writes.append(go)
         else:
+            # Past half the ring a step that waited for its end would run out of slots (a
+            # long prompt in one step: 480 sections against 256 slots) and drop its objects:
+            # its sections go to the I/O threads now, and the next layer's forward gives
+            # them the time to give their slots back.
+            self._hand_on_step_writes()
             go()
+
+    def _hand_on_step_writes(self) -> None:
+        if self._step_writes:
+            writes, self._step_writes = self._step_writes, []
+            for go in writes:
+                go()
 
     def _release_held(self) -> None:
         """The held last sections: written where the request's loads verified, else their
@@ -189,10 +200,7 @@ class SavePipeline:
         """After the forward and the loads' accounting: saves are queued, not waited for."""
         if self._held:
             self._release_held()
-        if self._step_writes:
-            writes, self._step_writes = self._step_writes, []
-            for go in writes:
-                go()
+        self._hand_on_step_writes()
         # vLLM may reuse the saved blocks from the next step on: the forward stream
         # waits (on the GPU, not the host) for this step's save copies.
         self.t.cache.copies.forward_waits()
