@@ -58,7 +58,8 @@ class Workload:
     # A request's decode rate on two cores swings with where the scheduler puts the engine's
     # three processes (measured in one life: 62 to 169 tokens/s, in streaks; a step takes ~8 or
     # ~16 ms): a life's rate pools its requests (tokens over decoding time), and twenty of them
-    # keep the pooled rate of one life within 100-114 tokens/s where ten spread it over 80-131.
+    # sample more of a life's streaks than ten. The swing between lives stays (one run's
+    # lives: 66-133 tokens/s, a slow life slow in all its requests): the repeats answer that.
     decode_requests: int = 20
     miss_prompt_tokens: int = 100
     # A miss takes ~20 ms, so a streak covers several back to back: each follows a decode
