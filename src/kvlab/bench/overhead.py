@@ -1,7 +1,8 @@
 """`kvlab bench overhead`: what kvlab's connector costs where it has nothing to restore.
 
 Baseline (no connector) and kvlab engines are started from the same EngineParams (the same
-flags, the same pinned cores; only kvlab's --kv-transfer-config differs), one at a time,
+flags, the forward pass bound to the same cores, `compute_cores`: all but the first, which the
+engine's scheduler and API processes share; only kvlab's --kv-transfer-config differs), one at a time,
 interleaved: repeat r runs baseline then kvlab, repeat r+1 kvlab then baseline, so that no
 setup always runs first on a machine whose speed drifts. In each engine life, after an
 unrelated warm-up request of the decode requests' shape:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -43,7 +45,7 @@ from kvlab.net import free_port
 from kvlab.paths import state_dir
 from kvlab.setups import registry as setups
 
-SCHEMA = "kvlab.bench.overhead/2"
+SCHEMA = "kvlab.bench.overhead/3"
 SETUPS = ("baseline", "kvlab")
 
 
@@ -55,11 +57,11 @@ def note(msg: str) -> None:
 class Workload:
     decode_prompt_tokens: int = 576  # one 512-token chunk and a part: no save is due while it decodes
     decode_tokens: int = 128
-    # A request's decode rate on two cores swings with where the scheduler puts the engine's
-    # three processes (measured in one life: 62 to 169 tokens/s, in streaks; a step takes ~8 or
-    # ~16 ms): a life's rate pools its requests (tokens over decoding time), and twenty of them
-    # sample more of a life's streaks than ten. The swing between lives stays (one run's
-    # lives: 66-133 tokens/s, a slow life slow in all its requests): the repeats answer that.
+    # With the forward pass bound to both of two cores, a request's decode rate swung with where
+    # the kernel put the engine's other processes (one life: 62 to 169 tokens/s, in streaks of
+    # ~8 or ~16 ms steps; lives 66-133): `compute_cores` now leaves them a core. A life's rate
+    # pools its requests (tokens over decoding time); twenty sample a life better than ten, and
+    # the repeats answer what still differs between lives.
     decode_requests: int = 20
     miss_prompt_tokens: int = 100
     # A miss takes ~20 ms, so a streak covers several back to back: each follows a decode
@@ -159,10 +161,24 @@ def summarize(samples: list[LifeSample], workload: Workload, provenance: dict[st
 
 
 # ---- the engines --------------------------------------------------------------------------
+def compute_cores(allowed: set[int] | None = None) -> str | None:
+    """The cores both setups' forward pass is bound to: every core this process may use but the
+    first, which is left to the engine's scheduler and API processes, as vLLM's own CPU binding
+    reserves one for them (vllm/utils/ompmultiprocessing.py). kvlab's I/O threads stay in the
+    worker, on the forward pass's cores, at a lower priority (kvlab_connector.io.posix).
+    Bound to both of two cores, the OpenMP threads waited at each barrier for whichever one the
+    API server had preempted: one life's decode requests ran at 60-160 tokens/s, in streaks. On
+    one core (one 7-repeat run) a life's requests stayed within ~15% of its median, and the
+    decode ratio's quartiles over the repeats were 1.01-1.04, against 1.02-1.15 on both."""
+    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    return ",".join(map(str, cpus[1:])) if len(cpus) > 1 else None
+
+
 def engine_params(model: Path, work: Path, w: Workload) -> setups.EngineParams:
     """One set of flags for both setups (kvlab's store and metrics port are unused by baseline)."""
     return setups.EngineParams(
         model=str(model), python=sys.executable, served_model_name="tiny", port=free_port(),
+        cpu_cores=compute_cores(),
         max_model_len=max(2048, w.save_prompt_tokens + 64), max_num_batched_tokens=2048, cpu_kv_cache_gib=2,
         kv_store_paths=(str(work / "kvlab-store"),), kv_metrics_port=free_port(),
     )
@@ -243,7 +259,8 @@ def bench_overhead(work: Path, repeats: int, w: Workload) -> dict[str, Any]:
     samples = run_overhead(repeats, engine_measure(params, work, w))
     shutil.rmtree(work / "kvlab-store", ignore_errors=True)
     prov = {**results.provenance(), "engine_argv": {s: list(setups.render(s, params).engine.argv) for s in SETUPS},
-            "engine_argv_difference": argv_difference(params), "wall_s": time.monotonic() - t0}
+            "engine_argv_difference": argv_difference(params), "compute_cores": params.cpu_cores,
+            "wall_s": time.monotonic() - t0}
     return summarize(samples, w, prov)
 
 

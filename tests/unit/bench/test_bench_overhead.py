@@ -109,7 +109,7 @@ def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
     for key in ("decode_rate_over_baseline", "miss_ttft_over_baseline", "compute_save_ttft_over_baseline",
                 "decode_save_rate_over_baseline"):
         assert {key, f"{key}_q1", f"{key}_q3"} <= set(res) and float(res[key]) > 0
-    assert res["repeats"] == 5 and res["schema"] == "kvlab.bench.overhead/2"
+    assert res["repeats"] == 5 and res["schema"] == "kvlab.bench.overhead/3"
     prov = res["provenance"]
     assert prov["git"]["commit"] and prov["versions"]["python"] and prov["host"]["cpu_count"]
     assert set(prov["engine_argv"]) == {"baseline", "kvlab"}
@@ -131,6 +131,19 @@ def test_the_engines_hold_the_saved_prompt_and_seven_repeats_are_the_default(tmp
     sub = argparse.ArgumentParser().add_subparsers()
     bo.register(sub)
     assert sub.choices["overhead"].parse_args([]).repeats >= 7
+
+
+def test_the_forward_pass_leaves_the_first_core_to_the_engines_other_processes(tmp_path: Path) -> None:
+    assert bo.compute_cores({0, 1}) == "1"
+    assert bo.compute_cores({0, 1, 2, 3}) == "1,2,3"
+    assert bo.compute_cores({4, 6, 5}) == "5,6"
+    assert bo.compute_cores({0}) is None  # one core: nothing to leave, vLLM binds as it will
+    params = bo.engine_params(tmp_path / "tiny", tmp_path, bo.Workload())
+    assert params.cpu_cores == bo.compute_cores()
+    from kvlab.setups import registry as setups
+
+    binds = {setups.render(s, params).engine.env.get("VLLM_CPU_OMP_THREADS_BIND") for s in bo.SETUPS}
+    assert binds == {params.cpu_cores}  # the same cores for both setups
 
 
 def test_a_lifes_misses_each_follow_a_decode_request_so_they_sample_the_whole_life() -> None:
