@@ -21,6 +21,8 @@ import os
 import random
 import sys
 
+POISON = 100.0  # finite: masked positions (a score times zero) stay harmless
+
 
 def main() -> int:
     ap = argparse.ArgumentParser()
@@ -61,6 +63,15 @@ def main() -> int:
         seed=0,
     )
     core = llm.llm_engine.engine_core.engine_core
+
+    def poison(worker):  # type: ignore[no-untyped-def]
+        # A fresh cache holds zeros, and a zero key or value read before its load has
+        # landed moves the answer only a little. A large value read anywhere the
+        # attention does not mask moves it far: a restore read early can never pass.
+        for kv_layer in worker.model_runner.kv_caches:
+            kv_layer.fill_(POISON)
+
+    core.model_executor.collective_rpc(poison)
     steps: list = []
     if kv is not None:
         connector = core.scheduler.connector
@@ -83,7 +94,7 @@ def main() -> int:
 
     rng = random.Random(args.prompt_seed)
     tokens = [rng.randrange(10, 8000) for _ in range(args.tokens)]
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     result: dict = {"rounds": []}
     arrays: dict[str, np.ndarray] = {}
 
@@ -118,6 +129,9 @@ def main() -> int:
                 arrays[f"r{r}-{kind}-{c.key}"] = snapshot(ids)
         result["rounds"].append({
             "output": list(out.outputs[0].token_ids),
+            # The two likeliest tokens at each position: how near a tie a difference was.
+            "top2": [sorted(([t, lp.logprob] for t, lp in pos.items()), key=lambda x: -x[1])[:2]
+                     for pos in out.outputs[0].logprobs],
             "num_cached_tokens": out.num_cached_tokens,
             "saved": [c.key for c in saved],
             "saved_blocks": [len(c.block_ids) for c in saved],

@@ -28,6 +28,16 @@ class ProbeRun:
         return self.blocks[f"r{r}-load-{key}"]
 
 
+def answer_difference(got: dict, want: dict) -> str:
+    """Where two rounds' greedy outputs part, with the two likeliest tokens and their logprobs
+    at that position in each: a tie within a rounding step reads differently from wrong KV."""
+    pos = next((i for i, (a, b) in enumerate(zip(got["output"], want["output"], strict=True)) if a != b), None)
+    if pos is None:
+        return "the same output"
+    return (f"outputs part at position {pos}: {got['output']} against {want['output']}; "
+            f"top two there {got['top2'][pos]} against {want['top2'][pos]}")
+
+
 def run_probe(out: Path, model: Path, store: Path, *extra: str, timeout: int = 600) -> ProbeRun:
     """One engine life in its own process: a restart is simply the next call."""
     cmd = [sys.executable, str(PROBE), "--model", str(model), "--store", str(store), "--out", str(out), *extra]

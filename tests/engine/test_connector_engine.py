@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from probing import ProbeRun, run_probe
+from probing import ProbeRun, answer_difference, run_probe
 
 from kvlab.model import ensure_tiny
 
@@ -84,8 +84,9 @@ def test_restore_after_engine_restart(first_life: tuple[ProbeRun, Path], tiny_mo
     assert r["loaded"] == first.round(0)["saved"], "a new engine must find the chunks on the drives"
     for key in r["loaded"]:
         assert same_kv(first.saved(0, key), second.loaded(0, key))
-    assert r["output"] == recompute.round(0)["output"], "greedy output must equal recompute"
-    assert first.round(1)["output"] == recompute.round(0)["output"]
+    assert r["output"] == recompute.round(0)["output"], "greedy output must equal recompute: " + answer_difference(
+        r, recompute.round(0))
+    assert first.round(1)["output"] == recompute.round(0)["output"], answer_difference(first.round(1), recompute.round(0))
 
 
 def test_corrupted_object_is_recomputed(first_life: tuple[ProbeRun, Path], tiny_model: Path,
@@ -101,7 +102,7 @@ def test_corrupted_object_is_recomputed(first_life: tuple[ProbeRun, Path], tiny_
     victim.write_bytes(bytes(data))
     run = run_probe(tmp_path / "probe", tiny_model, copy, *PROMPT)
     assert run.result["stats"]["checksum_failures"] >= 1
-    assert run.round(0)["output"] == recompute.round(0)["output"], "a corrupt object must end in a correct answer"
+    assert run.round(0)["output"] == recompute.round(0)["output"], answer_difference(run.round(0), recompute.round(0))
 
 
 def test_cache_salts_never_share_a_hit(tiny_model: Path, tmp_path: Path) -> None:

@@ -265,6 +265,19 @@ def forward_step(w: WorkerSide, kv: dict[str, torch.Tensor], meta: StepMetadata)
     return w.take_load_errors()
 
 
+def test_a_wait_for_an_unregistered_layer_hands_the_load_to_recompute(tmp_path: Path) -> None:
+    """A layer vLLM waits for but never registered cannot be waited for: returning would
+    let its attention read blocks before they land."""
+    w, kv = worker(tmp_path)
+    save(w, kv, [ChunkIO("a" * 32, [2, 3])])
+    w.start_load(StepMetadata(loads=[ChunkIO("a" * 32, [8, 9], "r")]))
+    w.wait_for_layer("model.layers.99.self_attn.attn")
+    for name in kv:
+        w.wait_for_layer(name)
+    w.end_step(StepMetadata())
+    assert w.take_load_errors() == {8, 9}
+
+
 def corrupt(w: WorkerSide, key: str, shape) -> None:  # type: ignore[no-untyped-def]
     frag, offset = w.store.placement(key, shape, 1)
     with open(w.store.fragment_path(w.ns, key, shape, frag), "r+b") as f:

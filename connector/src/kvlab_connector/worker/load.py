@@ -252,6 +252,12 @@ class LoadPipeline:
             return
         layer = self.t.cache.layer_index.get(layer_name)
         if layer is None:
+            # A layer the connector was never given the cache of: its blocks cannot be
+            # waited for, so the whole load is handed back to recompute, never read early.
+            log.error("kvlab connector: vLLM waits for layer %r, which is not among the registered "
+                      "KV caches: this step's loads are recomputed", layer_name)
+            self._fail(load, all_chunks=True)
+            self._load = None
             return
         t = time.perf_counter()
         ready = load.events[layer].wait(max(0.0, self._deadline - time.monotonic()))
