@@ -37,6 +37,8 @@ def main() -> int:
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--max-tokens", type=int, default=6)
     ap.add_argument("--next-turn", type=int, default=0, help="new tokens of a second turn")
+    ap.add_argument("--slow-copy-ms", type=float, default=0.0,
+                    help="each section lands this late in the KV cache: the forward pass must wait for it")
     args = ap.parse_args()
 
     os.environ.update(
@@ -83,6 +85,28 @@ def main() -> int:
             return meta
 
         connector.build_connector_meta = spy
+
+    # How long the forward pass waited for restored layers, from vLLM's own calls.
+    waited = [0.0]
+    if kv is not None:
+        import time
+
+        from kvlab_connector.worker.load import LoadPipeline
+
+        real_wait, real_copy = LoadPipeline.wait_for_layer, LoadPipeline.copy_in
+
+        def timed_wait(self, layer_name):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            real_wait(self, layer_name)
+            waited[0] += time.perf_counter() - t
+
+        def slow_copy(self, *a, **kw):  # type: ignore[no-untyped-def]
+            time.sleep(args.slow_copy_ms / 1000)  # on an I/O thread, before the bytes land
+            real_copy(self, *a, **kw)
+
+        LoadPipeline.wait_for_layer = timed_wait
+        if args.slow_copy_ms:
+            LoadPipeline.copy_in = slow_copy
 
     def snapshot(block_ids: list[int]) -> np.ndarray:
         def read(worker):  # type: ignore[no-untyped-def]
@@ -151,6 +175,7 @@ def main() -> int:
 
         time.sleep(1.0)
         result["stats"] = core.model_executor.collective_rpc(stats)[0]
+        result["forward_waited_s"] = waited[0]
     np.savez(args.out + ".npz", **arrays)
     with open(args.out + ".json", "w") as f:
         json.dump(result, f)

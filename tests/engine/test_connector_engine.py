@@ -79,7 +79,10 @@ def test_the_byte_check_catches_a_mutated_restore(first_life: tuple[ProbeRun, Pa
 def test_restore_after_engine_restart(first_life: tuple[ProbeRun, Path], tiny_model: Path,
                                       recompute: ProbeRun, tmp_path: Path) -> None:
     first, store = first_life
-    second = run_probe(tmp_path / "probe", tiny_model, store, *PROMPT)
+    # Every section lands 50 ms late: vLLM's forward pass must wait for each restored layer,
+    # and in a poisoned cache a layer read before it landed cannot give recompute's answer.
+    second = run_probe(tmp_path / "probe", tiny_model, store, *PROMPT, "--slow-copy-ms", "50")
+    assert second.result["forward_waited_s"] > 0.1, "the forward pass must have waited for late layers"
     r = second.round(0)
     assert r["loaded"] == first.round(0)["saved"], "a new engine must find the chunks on the drives"
     for key in r["loaded"]:
