@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -161,24 +160,10 @@ def summarize(samples: list[LifeSample], workload: Workload, provenance: dict[st
 
 
 # ---- the engines --------------------------------------------------------------------------
-def compute_cores(allowed: set[int] | None = None) -> str | None:
-    """The cores both setups' forward pass is bound to: every core this process may use but the
-    first, which is left to the engine's scheduler and API processes, as vLLM's own CPU binding
-    reserves one for them (vllm/utils/ompmultiprocessing.py). kvlab's I/O threads stay in the
-    worker, on the forward pass's cores, at a lower priority (kvlab_connector.io.posix).
-    Bound to both of two cores, the OpenMP threads waited at each barrier for whichever one the
-    API server had preempted: one life's decode requests ran at 60-160 tokens/s, in streaks. On
-    one core (one 7-repeat run) a life's requests stayed within ~15% of its median, and the
-    decode ratio's quartiles over the repeats were 1.01-1.04, against 1.02-1.15 on both."""
-    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
-    return ",".join(map(str, cpus[1:])) if len(cpus) > 1 else None
-
-
 def engine_params(model: Path, work: Path, w: Workload) -> setups.EngineParams:
     """One set of flags for both setups (kvlab's store and metrics port are unused by baseline)."""
     return setups.EngineParams(
         model=str(model), python=sys.executable, served_model_name="tiny", port=free_port(),
-        cpu_cores=compute_cores(),
         max_model_len=max(2048, w.save_prompt_tokens + 64), max_num_batched_tokens=2048, cpu_kv_cache_gib=2,
         kv_store_paths=(str(work / "kvlab-store"),), kv_metrics_port=free_port(),
     )

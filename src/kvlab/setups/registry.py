@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import asdict, dataclass, field, replace
@@ -26,6 +27,29 @@ LOOPBACK_HOSTS = ("127.0.0.1", "::1")
 # ("auto": bfloat16, FP8 weights with their scales); on the CPU engine the embedded
 # default's tiny model's (kvlab.model.TinyGeometry.dtype), which "auto" would downcast.
 DEVICE_DTYPE = {"cuda": "auto", "cpu": "float32"}
+
+
+def compute_cores(allowed: set[int] | None = None) -> str | None:
+    """The cores a CPU engine's forward pass is bound to: every core this process may use but
+    the first, which is left to the engine's scheduler and API processes, as vLLM's own CPU
+    binding reserves one for them (vllm/utils/ompmultiprocessing.py). kvlab's I/O threads stay
+    in the worker, on the forward pass's cores, at a lower priority (kvlab_connector.io.posix).
+    Bound to both of two cores, the OpenMP threads waited at each barrier for whichever one the
+    API server had preempted: one life's decode requests ran at 60-160 tokens/s, in streaks. On
+    one core (one 7-repeat run) a life's requests stayed within ~15% of its median, and the
+    decode ratio's quartiles over the repeats were 1.01-1.04, against 1.02-1.15 on both."""
+    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    return ",".join(map(str, cpus[1:])) if len(cpus) > 1 else None
+
+
+def omp_binding(cpu_cores: str, allowed: set[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `cpu_cores`: a core list as vLLM reads it ("1", "0-3",
+    "2,3"), or "all", every core this process may use. A load campaign of many concurrent
+    agents is bound by compute, and on two cores the forward pass needs both: on one it ran the
+    same agents ~2x slower (campaigns/embedded-agents.yml)."""
+    if cpu_cores != "all":
+        return cpu_cores
+    return ",".join(map(str, sorted(os.sched_getaffinity(0) if allowed is None else allowed)))
 
 
 @dataclass(frozen=True)
@@ -45,8 +69,8 @@ class EngineParams:
     enforce_eager: bool = True
     dtype: str | None = None  # None: DEVICE_DTYPE of the device
     device: str = "cpu"  # "cpu" (embedded default) or "cuda" (lab)
-    # CPU engine only: the cores every setup is pinned to, and its KV cache size.
-    cpu_cores: str | None = "0-1"
+    # CPU engine only: the cores every setup's forward pass is pinned to, and its KV cache size.
+    cpu_cores: str | None = field(default_factory=compute_cores)
     cpu_kv_cache_gib: int = 2
     gpu_memory_utilization: float = 0.9
     # kvlab's store: one path per drive. The other kv_* fields are the connector's keys of
@@ -201,7 +225,7 @@ def _engine_env(p: EngineParams) -> dict[str, str]:
         if p.cpu_cores:
             # vLLM CPU binds its worker to one core without a connector and to all with
             # one: pin explicitly so that every setup computes on the same cores.
-            env["VLLM_CPU_OMP_THREADS_BIND"] = p.cpu_cores
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(p.cpu_cores)
     return env
 
 

@@ -133,15 +133,11 @@ def test_the_engines_hold_the_saved_prompt_and_seven_repeats_are_the_default(tmp
     assert sub.choices["overhead"].parse_args([]).repeats >= 7
 
 
-def test_the_forward_pass_leaves_the_first_core_to_the_engines_other_processes(tmp_path: Path) -> None:
-    assert bo.compute_cores({0, 1}) == "1"
-    assert bo.compute_cores({0, 1, 2, 3}) == "1,2,3"
-    assert bo.compute_cores({4, 6, 5}) == "5,6"
-    assert bo.compute_cores({0}) is None  # one core: nothing to leave, vLLM binds as it will
-    params = bo.engine_params(tmp_path / "tiny", tmp_path, bo.Workload())
-    assert params.cpu_cores == bo.compute_cores()
+def test_both_setups_compute_on_the_same_cores(tmp_path: Path) -> None:
     from kvlab.setups import registry as setups
 
+    params = bo.engine_params(tmp_path / "tiny", tmp_path, bo.Workload())
+    assert params.cpu_cores == setups.compute_cores()
     binds = {setups.render(s, params).engine.env.get("VLLM_CPU_OMP_THREADS_BIND") for s in bo.SETUPS}
     assert binds == {params.cpu_cores}  # the same cores for both setups
 

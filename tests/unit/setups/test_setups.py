@@ -26,7 +26,7 @@ def kv_config(d: setups.Deployment) -> dict | None:
 def test_every_setup_renders_on_cpu(name: str) -> None:
     d = setups.render(name, params())
     assert d.engine.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
-    assert d.engine.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1", "every setup computes on the same cores"
+    assert d.engine.env["VLLM_CPU_OMP_THREADS_BIND"] == setups.compute_cores(), "every setup computes on the same cores"
     assert kv_config(d) == d.kv_transfer_config
 
 
@@ -207,3 +207,13 @@ def test_the_lab_leaves_io_threads_to_the_connector(group: str, tmp_path) -> Non
         assert store.engine.threads == 32
     finally:
         store.close()
+
+
+def test_the_forward_pass_leaves_the_first_core_to_the_engines_other_processes() -> None:
+    assert setups.compute_cores({0, 1}) == "1"
+    assert setups.compute_cores({0, 1, 2, 3}) == "1,2,3"
+    assert setups.compute_cores({4, 6, 5}) == "5,6"
+    assert setups.compute_cores({0}) is None  # one core: nothing to leave, vLLM binds as it will
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in setups.render("kvlab", params(cpu_cores=None)).engine.env
+    assert setups.omp_binding("all", {0, 1}) == "0,1" and setups.omp_binding("2-3") == "2-3"
+    assert setups.render("kvlab", params(cpu_cores="all")).engine.env["VLLM_CPU_OMP_THREADS_BIND"] == setups.omp_binding("all")
