@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_lab_engine_cmdline import ROOT, read_unit, run_plan, unit_process
+from test_lab_engine_cmdline import ROOT, read_unit, unit_process
+from test_roles_plan import lab_plan  # noqa: F401  (lab_plan: the lab's plan, rendered once)
 
 pytestmark = pytest.mark.unit
 
@@ -19,9 +20,8 @@ SIDE_LOCKS = (LOCKS / "kvlab_connector/files/kvlab-connector-deps.lock", LOCKS /
 
 
 @pytest.fixture(scope="module")
-def units(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    root = run_plan("lab", tmp_path_factory.mktemp("plan") / "lab")
-    found = sorted(root.glob("*/etc/systemd/system/kvlab-vllm-*.service"))
+def units(lab_plan: Path) -> list[Path]:  # noqa: F811
+    found = sorted(lab_plan.glob("*/etc/systemd/system/kvlab-vllm-*.service"))
     assert found
     return found
 

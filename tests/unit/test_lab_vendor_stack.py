@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_gpu_roles import ROOT, msg_of, play
-from test_lab_engine_cmdline import run_plan
+from test_roles_plan import lab_plan  # noqa: F401  (lab_plan: the lab's plan, rendered once)
 
 pytestmark = pytest.mark.unit
 
@@ -25,8 +25,8 @@ NODES = ("h200-01", "h20-01")
 
 
 @pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return run_plan("lab", tmp_path_factory.mktemp("plan") / "lab")
+def lab(lab_plan: Path) -> Path:  # noqa: F811
+    return lab_plan
 
 
 def live(text: str) -> list[str]:
