@@ -105,7 +105,8 @@ def test_corrupted_object_is_recomputed(first_life: tuple[ProbeRun, Path], tiny_
     victim.write_bytes(bytes(data))
     run = run_probe(tmp_path / "probe", tiny_model, copy, *PROMPT)
     assert run.result["stats"]["checksum_failures"] >= 1
-    assert run.round(0)["output"] == recompute.round(0)["output"], answer_difference(run.round(0), recompute.round(0))
+    assert run.round(0)["output"] == recompute.round(0)["output"], (
+        "a corrupt object must end in a correct answer: " + answer_difference(run.round(0), recompute.round(0)))
 
 
 def test_cache_salts_never_share_a_hit(tiny_model: Path, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def compute_cores(allowed: set[int] | None = None) -> str | None:
     API server had preempted: one life's decode requests ran at 60-160 tokens/s, in streaks. On
     one core (one 7-repeat run) a life's requests stayed within ~15% of its median, and the
     decode ratio's quartiles over the repeats were 1.01-1.04, against 1.02-1.15 on both."""
-    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    cpus = _usable_cores(allowed)
     return ",".join(map(str, cpus[1:])) if len(cpus) > 1 else None
 
 
@@ -47,9 +47,11 @@ def omp_binding(cpu_cores: str, allowed: set[int] | None = None) -> str:
     "2,3"), or "all", every core this process may use. A load campaign of many concurrent
     agents is bound by compute, and on two cores the forward pass needs both: on one it ran the
     same agents ~2x slower (campaigns/embedded-agents.yml)."""
-    if cpu_cores != "all":
-        return cpu_cores
-    return ",".join(map(str, sorted(os.sched_getaffinity(0) if allowed is None else allowed)))
+    return ",".join(map(str, _usable_cores(allowed))) if cpu_cores == "all" else cpu_cores
+
+
+def _usable_cores(allowed: set[int] | None) -> list[int]:
+    return sorted(os.sched_getaffinity(0) if allowed is None else allowed)
 
 
 @dataclass(frozen=True)
