@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,21 @@ NAME = "pytest"
 ATTACH = os.environ.get("KVLAB_TESTBED_ATTACH")
 # The first deploy of fresh TCG VMs took 9-26 min here (two cores shared with engines).
 DEPLOY_TIMEOUT_S = 2400
+# Where the session's bring-up went (the image, each VM's boot, the first deploy): printed at the
+# end of the run, since --durations gives the whole of it to the first test's set-up.
+PHASES: list[str] = []
+
+
+def _phase(message: str) -> None:
+    print(message, file=sys.stderr)
+    PHASES.append(message)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    if PHASES:
+        terminalreporter.write_sep("-", "testbed bring-up")
+        for line in PHASES:
+            terminalreporter.write_line(line)
 
 
 def _missing() -> str | None:
@@ -40,13 +56,16 @@ def _missing() -> str | None:
     return None
 
 
-def ansible_playbook(inventory: Path, *args: str, timeout: float = DEPLOY_TIMEOUT_S) -> subprocess.CompletedProcess:
+def ansible_playbook(
+    inventory: Path, *args: str, timeout: float = DEPLOY_TIMEOUT_S, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """ansible-playbook from this environment, with the project's ansible.cfg, from the repo root."""
     env = dict(
         os.environ,
         ANSIBLE_CONFIG=str(REPO / "ansible.cfg"),
         ANSIBLE_NOCOLOR="1",
         PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        **(env_extra or {}),
     )
     return subprocess.run(
         [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(inventory), *args],
@@ -99,9 +118,7 @@ def testbed(tmp_path_factory) -> Testbed:
         tb.write_inventory(attached, inventory)
         yield Testbed(attached, inventory)
         return
-    state = tb.up(
-        NAME, transport=transport, inventory_path=inventory, log=lambda m: print(m, file=sys.stderr)
-    )
+    state = tb.up(NAME, transport=transport, inventory_path=inventory, log=_phase)
     bed = Testbed(state, inventory)
     try:
         yield bed
@@ -115,7 +132,14 @@ def deployed(testbed) -> subprocess.CompletedProcess | None:
     """The whole site deployed once by the real playbook (site.yml); later tests build on it."""
     if ATTACH:
         return None  # deployed by `make deploy inventory=testbed`
-    res = testbed.ansible("playbooks/site.yml")
+    t0 = time.monotonic()
+    # profile_tasks: the deploy's slowest tasks go into the bring-up summary
+    res = ansible_playbook(testbed.inventory, "playbooks/site.yml", env_extra={
+        "ANSIBLE_CALLBACKS_ENABLED": "kvlab_hosts_required,ansible.posix.profile_tasks",
+        "PROFILE_TASKS_TASK_OUTPUT_LIMIT": "12",
+    })  # fmt: skip
+    _phase(f"site.yml deployed in {time.monotonic() - t0:.0f} s (rc {res.returncode}); its slowest tasks:")
+    _phase(res.stdout.rsplit("=" * 20, 1)[-1].strip()[-2000:])
     if res.returncode != 0:
         pytest.fail(
             f"deploy failed (rc {res.returncode}):\n{res.stdout[-6000:]}\n{res.stderr[-2000:]}\n"
