@@ -7,6 +7,7 @@ stopped by PID whatever happens, and the console logs stay for the failure repor
 
 from __future__ import annotations
 
+import configparser
 import os
 import shutil
 import subprocess
@@ -133,9 +134,13 @@ def deployed(testbed) -> subprocess.CompletedProcess | None:
     if ATTACH:
         return None  # deployed by `make deploy inventory=testbed`
     t0 = time.monotonic()
-    # profile_tasks: the deploy's slowest tasks go into the bring-up summary
+    # profile_tasks, beside the callbacks ansible.cfg enables: the deploy's slowest tasks go into
+    # the bring-up summary
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "ansible.cfg")
+    callbacks = f"{cfg.get('defaults', 'callbacks_enabled')},ansible.posix.profile_tasks"
     res = ansible_playbook(testbed.inventory, "playbooks/site.yml", env_extra={
-        "ANSIBLE_CALLBACKS_ENABLED": "kvlab_hosts_required,ansible.posix.profile_tasks",
+        "ANSIBLE_CALLBACKS_ENABLED": callbacks,
         "PROFILE_TASKS_TASK_OUTPUT_LIMIT": "12",
     })  # fmt: skip
     _phase(f"site.yml deployed in {time.monotonic() - t0:.0f} s (rc {res.returncode}); its slowest tasks:")
