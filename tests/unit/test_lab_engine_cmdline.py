@@ -199,3 +199,25 @@ def test_rendered_deployment_is_the_registrys(embedded_plan, name: str) -> None:
     root, params = embedded_plan
     rendered = json.loads((root / f"etc/kvlab/setups/{name}.json").read_text())
     assert rendered == json.loads(setups.render(name, params).to_json())
+
+
+def test_a_cpu_nodes_forward_pass_is_bound_to_the_nodes_cores_not_the_controllers(tmp_path: Path) -> None:
+    """The unit binds the cores the node has (every one but the first, as a local engine does),
+    counted from the node's facts: EngineParams' own default counts the controller's."""
+    one = yaml.safe_load((single_host_inventory(tmp_path, embedded_params(tmp_path), ["kvlab"]) / "hosts.yml").read_text())
+    node = one["all"]["children"]["gpu_nodes"]["hosts"]["embedded"]
+    node["vllm_server_engine_params"].pop("cpu_cores")
+    hosts = {}
+    for name, nproc, given in (("eight", 8, None), ("two", 2, None), ("one", 1, None), ("given", 8, "2-3")):
+        host = json.loads(json.dumps(node))
+        host["kvlab_plan_facts"]["processor_nproc"] = nproc
+        if given:
+            host["vllm_server_engine_params"]["cpu_cores"] = given
+        hosts[name] = host
+    inv = tmp_path / "cores"
+    inv.mkdir()
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"gpu_nodes": {"hosts": hosts}}}}))
+    run_plan(inv, tmp_path / "plan")
+    binds = {name: unit_process(unit_file(tmp_path / "plan" / name, "vllm", "kvlab"))[1].get("VLLM_CPU_OMP_THREADS_BIND")
+             for name in hosts}
+    assert binds == {"eight": "1-7", "two": "1", "one": None, "given": "2-3"}
