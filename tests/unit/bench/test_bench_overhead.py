@@ -109,7 +109,7 @@ def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
     for key in ("decode_rate_over_baseline", "miss_ttft_over_baseline", "compute_save_ttft_over_baseline",
                 "decode_save_rate_over_baseline"):
         assert {key, f"{key}_q1", f"{key}_q3"} <= set(res) and float(res[key]) > 0
-    assert res["repeats"] == 5 and res["schema"] == "kvlab.bench.overhead/3"
+    assert res["repeats"] == 5 and res["schema"] == "kvlab.bench.overhead/4"
     prov = res["provenance"]
     assert prov["git"]["commit"] and prov["versions"]["python"] and prov["host"]["cpu_count"]
     assert set(prov["engine_argv"]) == {"baseline", "kvlab"}
@@ -119,7 +119,7 @@ def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
     assert "[10/10 ·" in err and "repeat 5/5" in err  # progress while it runs
 
 
-def test_the_engines_hold_the_saved_prompt_and_seven_repeats_are_the_default(tmp_path: Path) -> None:
+def test_the_engines_hold_the_saved_prompt_and_nine_repeats_are_the_default(tmp_path: Path) -> None:
     w = bo.Workload()
     params = bo.engine_params(tmp_path / "tiny", tmp_path, w)
     assert params.max_model_len > w.save_prompt_tokens  # the computed-and-saved prompt fits
@@ -130,7 +130,7 @@ def test_the_engines_hold_the_saved_prompt_and_seven_repeats_are_the_default(tmp
 
     sub = argparse.ArgumentParser().add_subparsers()
     bo.register(sub)
-    assert sub.choices["overhead"].parse_args([]).repeats >= 7
+    assert sub.choices["overhead"].parse_args([]).repeats >= 9
 
 
 def test_both_setups_compute_on_the_same_cores(tmp_path: Path) -> None:
@@ -150,8 +150,7 @@ def test_a_lifes_misses_each_follow_a_decode_request_so_they_sample_the_whole_li
     uneven = bo.life_order(bo.Workload(decode_requests=3, miss_requests=5))
     assert uneven == ["decode", "miss"] * 3 + ["miss", "miss"]
     w = bo.Workload()
-    assert bo.life_order(w).count("decode") == w.decode_requests >= 20
-    assert bo.life_order(w).count("miss") == w.miss_requests >= 20
+    assert bo.life_order(w) == ["decode", "miss"] * 10
 
 
 def test_a_repeat_count_below_one_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,11 +158,19 @@ def test_a_repeat_count_below_one_is_a_one_line_error(capsys: pytest.CaptureFixt
     assert "--repeats 0" in capsys.readouterr().err
 
 
-def test_a_lifes_decode_rate_pools_its_requests_so_two_step_modes_average_not_flip() -> None:
-    # Steps of ~8 or ~16 ms (where the kernel puts the engine's processes): a median of such
-    # requests is one mode or the other; the pooled rate is tokens over all decoding time.
+def test_a_lifes_decode_rate_is_its_requests_midmean_so_neither_a_burst_nor_a_step_mode_carries_it() -> None:
+    # (output_tokens, ttft_s, total_s): 127 tokens in ~1.3 s, and one answer whose tokens all
+    # arrived with its first (the API server streamed it late): ~0.001 s of decoding. Pooled
+    # (tokens over decoding time) it would add its tokens and almost none of the time.
+    steady = [(128, 0.05, 0.05 + 127 / r) for r in (95.0, 100.0, 105.0, 98.0)]
+    late = (128, 1.3, 1.3013)
+    rate, each = bo.rates_of([*steady, late])
+    assert rate == pytest.approx((98 + 100 + 105) / 3) and len(each) == 5 and max(each) > 90_000
+    # steps of ~8 or ~16 ms (where the kernel puts the engine's processes): a median of such
+    # requests is one mode or the other; the midmean is between
     fast, slow = (129, 0.1, 0.1 + 128 * 0.008), (129, 0.1, 0.1 + 128 * 0.016)
     rate, each = bo.rates_of([fast, slow, slow, fast])
-    assert each == pytest.approx((125.0, 62.5, 62.5, 125.0))
-    assert rate == pytest.approx(4 * 128 / (2 * 128 * 0.008 + 2 * 128 * 0.016))
+    assert each == pytest.approx((125.0, 62.5, 62.5, 125.0)) and rate == pytest.approx(93.75)
     assert bo.rates_of([(1, 0.1, 0.2)]) == (None, ())  # one token: nothing decoded after the first
+
+
