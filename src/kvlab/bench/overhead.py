@@ -31,7 +31,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -184,18 +184,10 @@ def decode(url: str, key: str, prompt_tokens: int, tokens: int) -> tuple[int, fl
     return c.output_tokens, c.ttft_s, c.total_s
 
 
-def midmean(values: Sequence[float]) -> float:
-    """The mean of the middle half (the interquartile mean): a quarter of the values at either
-    end can be anything without moving it far, and two modes average instead of one winning."""
-    xs = sorted(values)
-    cut = len(xs) // 4
-    return statistics.fmean(xs[cut:len(xs) - cut])
-
-
 def rates_of(requests: list[tuple[int, float, float]]) -> tuple[float | None, tuple[float, ...]]:
     """The midmean of the requests' decode rates, and each one's (the JSON's raw)."""
     each = tuple(r for r in (metrics.decode_rate(*q) for q in requests) if r is not None)
-    return (midmean(each) if each else None), each
+    return (metrics.midmean(each) if each else None), each
 
 
 def life_order(w: Workload) -> list[str]:

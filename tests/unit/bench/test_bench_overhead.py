@@ -172,5 +172,3 @@ def test_a_lifes_decode_rate_is_its_requests_midmean_so_neither_a_burst_nor_a_st
     rate, each = bo.rates_of([fast, slow, slow, fast])
     assert each == pytest.approx((125.0, 62.5, 62.5, 125.0)) and rate == pytest.approx(93.75)
     assert bo.rates_of([(1, 0.1, 0.2)]) == (None, ())  # one token: nothing decoded after the first
-
-
