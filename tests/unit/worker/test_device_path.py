@@ -9,6 +9,7 @@ kvikio on a GPU.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -210,8 +211,12 @@ class _FlippingFile(PosixFile):
 
 
 class _StuckFile(PosixFile):
+    """A write that hangs until the test releases it (a broken cuFile driver)."""
+
+    released = threading.Event()
+
     def pwrite(self, t, size: int, file_offset: int = 0):  # type: ignore[no-untyped-def]
-        time.sleep(5)
+        self.released.wait(30)
         return super().pwrite(t, size, file_offset)
 
 
@@ -231,6 +236,7 @@ def test_device_io_self_test_names_the_drive_and_what_went_wrong(tmp_path: Path)
     t0 = time.monotonic()
     why = DeviceIO(_StuckFile, "stuck").self_test(torch.device("cpu"), [good], timeout_s=0.3)
     assert why == "timed out after 0.3 s" and time.monotonic() - t0 < 2, "a hung call costs the timeout only"
+    _StuckFile.released.set()  # the abandoned self-test ends with this test
 
 
 def test_device_io_self_test_refuses_a_device_checksum_the_host_would_not_match(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -31,10 +32,23 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.attn": torch.randn(BLOCKS, HEADS, BS, 2 * HD, generator=g) for i in range(LAYERS)}
 
 
+_stores: list[Store] = []
+
+
+@pytest.fixture(autouse=True)
+def close_stores() -> Iterator[None]:
+    """A test's stores close with it, so that their I/O threads end with the test (a load
+    error's logged traceback holds the worker, and its store, past the test's end)."""
+    yield
+    while _stores:
+        _stores.pop().close()
+
+
 def worker(tmp_path: Path, engine: PosixEngine | None = None, **cfg) -> tuple[WorkerSide, dict[str, torch.Tensor]]:  # type: ignore[no-untyped-def]
     config = ConnectorConfig.from_extra({"paths": [str(tmp_path / "d0"), str(tmp_path / "d1")],
                                          "ring_bytes": 1 << 20, "chunk_tokens": CHUNK, **cfg})
     store = Store(config.paths, 1 << 30, engine=engine)
+    _stores.append(store)
     w = WorkerSide(config, layout(), store, rank=0)
     kv = kv_caches(seed=1)
     w.register_kv_caches(kv, BLOCKS)
