@@ -18,15 +18,18 @@ unrelated warm-up request of the decode requests' shape:
   request decodes; the rate as for decode.
 
 Every prompt is new to every cache: it is keyed by the repeat, so both setups of one repeat
-send the same prompts and kvlab's store never holds them beforehand. The ratios are kvlab
-over baseline within each repeat (the medians and quartiles over the repeats): a ratio
-within a repeat cancels the drift between repeats.
+send the same prompts and kvlab's store never holds them beforehand. A ratio is kvlab over
+baseline within a repeat, which cancels the drift between repeats; the repeats pair up (2k
+baseline first, 2k+1 kvlab first) and a pair's figure is the geometric mean of its two ratios,
+which cancels what a life's place in its repeat costs, whichever way (`pair_figures`). The
+medians and quartiles are over the pairs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -44,7 +47,7 @@ from kvlab.net import free_port
 from kvlab.paths import state_dir
 from kvlab.setups import registry as setups
 
-SCHEMA = "kvlab.bench.overhead/4"
+SCHEMA = "kvlab.bench.overhead/5"
 SETUPS = ("baseline", "kvlab")
 
 
@@ -67,9 +70,9 @@ class Workload:
     # from 21 to 30 ms, and decode from 88 to 141 tokens/s), so a life's twentieth request adds
     # less than another repeat's paired ratio. 10 decode, 10 miss, 3 save and 10 decode-while-
     # saving requests make a life ~75 s (~36 s of it the start) against ~95 s with 20/20/5/20:
-    # 10 repeats took 1,492 s, where 7 took ~22 min: the default is 9 (~22 min), so that a slower
-    # machine hour still ends within the 30 min the acceptance check gives it. Five of each (a
-    # ~50 s life) was measured too: one burst then carried three of a life's five decode requests.
+    # 10 repeats took 1,492 s (the default: five pairs, `pair_figures`), 9 took 21 min. Five of
+    # each (a ~50 s life) was measured too: one burst then carried three of a life's five decode
+    # requests.
     decode_requests: int = 10
     miss_prompt_tokens: int = 100
     # A miss takes ~20 ms, so a streak covers several back to back: each follows a decode
@@ -125,6 +128,21 @@ def run_overhead(repeats: int, measure: Measure, progress: Callable[[str], None]
     return out
 
 
+def pairs_of(repeats: list[int]) -> list[tuple[int, int]]:
+    """The complete pairs among the repeats both setups ran: (2k, 2k+1), one with each setup first."""
+    done = set(repeats)
+    return [(r, r + 1) for r in sorted(done) if r % 2 == 0 and r + 1 in done]
+
+
+def pair_figures(ratios: dict[int, float], pairs: list[tuple[int, int]]) -> list[float]:
+    """Each pair's geometric mean of its two repeats' ratios. A life's place in its repeat can
+    cost it: one 9-repeat run's second lives ran ~10% slower, whichever setup it was (decode
+    0.74-1.00 with baseline first, 0.88-1.13 with kvlab first), and a run before it showed the
+    opposite. If the second life runs p times the first, one ratio of a pair carries p and the
+    other 1/p: their geometric mean carries neither."""
+    return [math.sqrt(ratios[a] * ratios[b]) for a, b in pairs]
+
+
 def _spread(name: str, ratios: list[float]) -> dict[str, float]:
     q1, q3 = metrics.quartiles(ratios)
     return {name: statistics.median(ratios), f"{name}_q1": q1, f"{name}_q3": q3}
@@ -139,29 +157,34 @@ FIGURES = {
 }
 
 
-def _ratios(by: dict[tuple[str, int], LifeSample], paired: list[int], field: str) -> list[float] | None:
-    """kvlab over baseline in each paired repeat; None where a life did not measure it."""
-    pairs = [(getattr(by["kvlab", r], field), getattr(by["baseline", r], field)) for r in paired]
-    if any(k is None or b is None for k, b in pairs):
+def _ratios(by: dict[tuple[str, int], LifeSample], repeats: list[int], field: str) -> dict[int, float] | None:
+    """kvlab over baseline in each repeat; None where a life did not measure it."""
+    pairs = {r: (getattr(by["kvlab", r], field), getattr(by["baseline", r], field)) for r in repeats}
+    if any(k is None or b is None for k, b in pairs.values()):
         return None
-    return [k / b for k, b in pairs]
+    return {r: k / b for r, (k, b) in pairs.items()}
 
 
 def summarize(samples: list[LifeSample], workload: Workload, provenance: dict[str, Any]) -> dict[str, Any]:
-    """kvlab over baseline per repeat; medians and quartiles over the repeats both ran."""
+    """kvlab over baseline per repeat, a figure per pair of repeats; medians and quartiles over
+    the pairs whose four lives all ran."""
     by = {(s.setup, s.repeat): s for s in samples}
-    paired = sorted(r for r in {s.repeat for s in samples} if all((x, r) in by for x in SETUPS))
-    if not paired:
-        raise ValueError("no repeat in which both baseline and kvlab were measured")
-    ratios = {name: _ratios(by, paired, field) for name, field in FIGURES.items()}
+    pairs = pairs_of([r for r in {s.repeat for s in samples} if all((x, r) in by for x in SETUPS)])
+    if not pairs:
+        raise ValueError("no pair of repeats (one with each setup first) in which both baseline and kvlab "
+                         "were measured")
+    repeats = [r for pair in pairs for r in pair]
+    ratios = {name: _ratios(by, repeats, field) for name, field in FIGURES.items()}
     measured = {name: rs for name, rs in ratios.items() if rs is not None}
     return {
         "schema": SCHEMA,
-        "repeats": len(paired),
-        **{k: v for name, rs in measured.items() for k, v in _spread(name, rs).items()},
-        **{setup: {field: statistics.median(getattr(by[setup, r], field) for r in paired)
+        "repeats": len(repeats),
+        "pairs": len(pairs),
+        **{k: v for name, rs in measured.items() for k, v in _spread(name, pair_figures(rs, pairs)).items()},
+        **{setup: {field: statistics.median(getattr(by[setup, r], field) for r in repeats)
                    for name, field in FIGURES.items() if name in measured} for setup in SETUPS},
-        "per_repeat": {"order": [list(order_of(r)) for r in paired], **measured},
+        "per_repeat": {"order": [list(order_of(r)) for r in repeats], **{n: list(rs.values()) for n, rs in measured.items()}},
+        "per_pair": {name: pair_figures(rs, pairs) for name, rs in measured.items()},
         "workload": asdict(workload),
         "raw": [asdict(s) for s in samples],
         "provenance": provenance,
@@ -261,8 +284,9 @@ def bench_overhead(work: Path, repeats: int, w: Workload) -> dict[str, Any]:
 def register(sub: argparse._SubParsersAction) -> None:
     o = sub.add_parser("overhead", help="kvlab's decode rate and miss TTFT over baseline's: identical flags, "
                                         "interleaved engine lives")
-    o.add_argument("--repeats", type=int, default=9,
-                   help="engine lives per setup (>= 7 for the medians; the noise is between lives)")
+    o.add_argument("--repeats", type=int, default=10,
+                   help="engine lives per setup, an even number: the repeats pair up, one with each setup "
+                        "first (>= 8 for the medians; the noise is between lives)")
     o.add_argument("--decode-requests", type=int, default=Workload.decode_requests,
                    help="decode requests per life, of each kind (with nothing to save; while a chunk is saved)")
     o.add_argument("--miss-requests", type=int, default=Workload.miss_requests,
@@ -280,6 +304,9 @@ def _overhead(args: argparse.Namespace) -> int:
     for name in ("repeats", "decode_requests", "miss_requests", "save_requests"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    if args.repeats % 2:
+        raise UserError(f"--repeats {args.repeats}: give an even number (e.g. {args.repeats + 1}): the repeats "
+                        "pair up, one with each setup first, so that a life's place in its repeat cancels")
     w = Workload(decode_requests=args.decode_requests, miss_requests=args.miss_requests,
                  save_requests=args.save_requests, decode_save_requests=args.decode_requests)
     work = args.workdir or state_dir() / "bench-overhead"
@@ -288,7 +315,7 @@ def _overhead(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res))
     else:
-        print(f"kvlab ÷ baseline over {res['repeats']} repeats (medians, quartiles): "
+        print(f"kvlab ÷ baseline over {res['pairs']} pairs of repeats (medians, quartiles): "
               f"decode rate {res['decode_rate_over_baseline']:.3f} ({res['decode_rate_over_baseline_q1']:.3f}–"
               f"{res['decode_rate_over_baseline_q3']:.3f}; goal ≥ 0.95), miss TTFT "
               f"{res['miss_ttft_over_baseline']:.3f} ({res['miss_ttft_over_baseline_q1']:.3f}–"

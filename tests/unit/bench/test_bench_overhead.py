@@ -13,13 +13,15 @@ from kvlab.cli import main
 
 
 def fake_measure(decode: dict[str, float], miss: dict[str, float], seen: list[tuple[str, int]],
-                 save: dict[str, float] | None = None, decode_save: dict[str, float] | None = None) -> bo.Measure:
+                 save: dict[str, float] | None = None, decode_save: dict[str, float] | None = None,
+                 second: float = 1.0) -> bo.Measure:
     """kvlab's figures a fixed share of baseline's, both drifting with the repeat (a machine
-    whose speed changes): the ratio within a repeat stays exact."""
+    whose speed changes), and the second life of a repeat `second` times slower: the ratio
+    within a repeat cancels the drift, a pair's figure the second life's cost."""
 
     def measure(setup: str, repeat: int) -> bo.LifeSample:
         seen.append((setup, repeat))
-        drift = 1 + 0.1 * repeat
+        drift = (1 + 0.1 * repeat) * (second if bo.order_of(repeat)[1] == setup else 1.0)
         return bo.LifeSample(setup, repeat, decode[setup] / drift, miss[setup] * drift, 30.0,
                              save_ttft_s=save[setup] * drift if save else None,
                              decode_save_tok_s=decode_save[setup] / drift if decode_save else None)
@@ -36,10 +38,10 @@ def test_lives_interleave_and_alternate_which_setup_goes_first() -> None:
 
 
 def test_ratios_are_kvlab_over_baseline_within_each_repeat() -> None:
-    samples = bo.run_overhead(5, fake_measure({"baseline": 100, "kvlab": 97}, {"baseline": 0.1, "kvlab": 0.102}, []),
+    samples = bo.run_overhead(6, fake_measure({"baseline": 100, "kvlab": 97}, {"baseline": 0.1, "kvlab": 0.102}, []),
                               progress=lambda m: None)
     res = bo.summarize(samples, bo.Workload(), {"git": {}})
-    assert res["repeats"] == 5
+    assert (res["repeats"], res["pairs"]) == (6, 3)
     for key, want in (("decode_rate_over_baseline", 0.97), ("miss_ttft_over_baseline", 1.02)):
         assert res[key] == pytest.approx(want)  # the drift cancels within a repeat
         assert res[f"{key}_q1"] == pytest.approx(want) and res[f"{key}_q3"] == pytest.approx(want)
@@ -48,25 +50,45 @@ def test_ratios_are_kvlab_over_baseline_within_each_repeat() -> None:
 
 
 def test_saving_figures_are_kvlab_over_baseline_within_each_repeat() -> None:
-    samples = bo.run_overhead(7, fake_measure({"baseline": 100, "kvlab": 99}, {"baseline": 0.1, "kvlab": 0.1}, [],
+    samples = bo.run_overhead(8, fake_measure({"baseline": 100, "kvlab": 99}, {"baseline": 0.1, "kvlab": 0.1}, [],
                                               save={"baseline": 2.0, "kvlab": 2.08},
                                               decode_save={"baseline": 80, "kvlab": 76}),
                               progress=lambda m: None)
     res = bo.summarize(samples, bo.Workload(), {})
-    assert res["repeats"] == 7
+    assert res["repeats"] == 8
     for key, want in (("compute_save_ttft_over_baseline", 1.04), ("decode_save_rate_over_baseline", 0.95)):
         assert res[key] == pytest.approx(want)  # the drift cancels within a repeat
         assert res[f"{key}_q1"] == pytest.approx(want) and res[f"{key}_q3"] == pytest.approx(want)
-        assert res["per_repeat"][key] == pytest.approx([want] * 7)
+        assert res["per_repeat"][key] == pytest.approx([want] * 8)
+        assert res["per_pair"][key] == pytest.approx([want] * 4)
     # each setup's own medians over the repeats, beside the ratios
-    assert res["kvlab"]["save_ttft_s"] == pytest.approx(2.08 * 1.3)
-    assert res["baseline"]["decode_save_tok_s"] == pytest.approx(80 / 1.3)
+    assert res["kvlab"]["save_ttft_s"] == pytest.approx(2.08 * 1.35)
+    assert res["baseline"]["decode_save_tok_s"] == pytest.approx((80 / 1.3 + 80 / 1.4) / 2)
+
+
+def test_a_lifes_place_in_its_repeat_cancels_within_each_pair() -> None:
+    """The second life of every repeat 12% slower, whichever setup it is: single repeats'
+    ratios swing either way of the truth, each pair's figure is exact (and so is the median
+    over an odd count of repeats no more: the last, unpaired repeat is left out)."""
+    samples = bo.run_overhead(9, fake_measure({"baseline": 100, "kvlab": 97}, {"baseline": 0.1, "kvlab": 0.102}, [],
+                                              save={"baseline": 2.0, "kvlab": 2.0},
+                                              decode_save={"baseline": 80, "kvlab": 80}, second=1.12),
+                              progress=lambda m: None)
+    res = bo.summarize(samples, bo.Workload(), {})
+    assert (res["repeats"], res["pairs"]) == (8, 4)
+    singles = res["per_repeat"]["decode_rate_over_baseline"]
+    assert singles[0] == pytest.approx(0.97 / 1.12) and singles[1] == pytest.approx(0.97 * 1.12)
+    for key, want in (("decode_rate_over_baseline", 0.97), ("miss_ttft_over_baseline", 1.02),
+                      ("compute_save_ttft_over_baseline", 1.0), ("decode_save_rate_over_baseline", 1.0)):
+        assert res[key] == pytest.approx(want)
+        assert (res[f"{key}_q1"], res[f"{key}_q3"]) == (pytest.approx(want), pytest.approx(want))
 
 
 def test_saving_quartiles_and_a_life_without_them() -> None:
-    lives = [bo.LifeSample("baseline", r, 100.0, 0.1, 1.0, save_ttft_s=2.0, decode_save_tok_s=50.0) for r in range(4)]
+    ratios = (1.2, 1.2, 1.0, 1.0, 1.1, 1.1, 0.9, 0.9)  # a pair's two repeats alike: its figure is theirs
+    lives = [bo.LifeSample("baseline", r, 100.0, 0.1, 1.0, save_ttft_s=2.0, decode_save_tok_s=50.0) for r in range(8)]
     lives += [bo.LifeSample("kvlab", r, 100.0, 0.1, 1.0, save_ttft_s=2.0 * x, decode_save_tok_s=50.0)
-              for r, x in enumerate((1.2, 1.0, 1.1, 0.9))]
+              for r, x in enumerate(ratios)]
     res = bo.summarize(lives, bo.Workload(), {})
     assert res["compute_save_ttft_over_baseline"] == pytest.approx(1.05)
     assert (res["compute_save_ttft_over_baseline_q1"], res["compute_save_ttft_over_baseline_q3"]) == (
@@ -79,20 +101,24 @@ def test_saving_quartiles_and_a_life_without_them() -> None:
 
 
 def test_quartiles_spread_around_the_median() -> None:
-    lives = [bo.LifeSample("baseline", r, 100.0, 0.1, 1.0) for r in range(5)]
-    lives += [bo.LifeSample("kvlab", r, 100.0 * x, 0.1, 1.0) for r, x in enumerate((0.9, 1.0, 0.95, 0.8, 1.1))]
+    pairs = (0.9, 1.0, 0.95, 0.8, 1.1)
+    lives = [bo.LifeSample("baseline", r, 100.0, 0.1, 1.0) for r in range(10)]
+    # each pair's two ratios x*1.1 and x/1.1: their geometric mean is x
+    lives += [bo.LifeSample("kvlab", r, 100.0 * pairs[r // 2] * (1.1 if r % 2 else 1 / 1.1), 0.1, 1.0) for r in range(10)]
     res = bo.summarize(lives, bo.Workload(), {})
+    assert res["per_pair"]["decode_rate_over_baseline"] == pytest.approx(list(pairs))
     assert res["decode_rate_over_baseline"] == pytest.approx(0.95)
     assert (res["decode_rate_over_baseline_q1"], res["decode_rate_over_baseline_q3"]) == (pytest.approx(0.9),
                                                                                           pytest.approx(1.0))
 
 
-def test_a_repeat_missing_a_setup_is_left_out_and_none_is_an_error() -> None:
-    lives = [bo.LifeSample("baseline", 0, 100.0, 0.1, 1.0), bo.LifeSample("kvlab", 0, 90.0, 0.1, 1.0),
-             bo.LifeSample("baseline", 1, 100.0, 0.1, 1.0)]
-    assert bo.summarize(lives, bo.Workload(), {})["repeats"] == 1
+def test_a_pair_missing_a_life_is_left_out_and_none_is_an_error() -> None:
+    lives = [bo.LifeSample(s, r, 100.0 if s == "baseline" else 90.0, 0.1, 1.0) for r in range(4) for s in bo.SETUPS]
+    lives.pop()  # repeat 3's second life failed: the pair (2, 3) is left out
+    res = bo.summarize(lives, bo.Workload(), {})
+    assert (res["repeats"], res["pairs"]) == (2, 1) and res["decode_rate_over_baseline"] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="both baseline and kvlab"):
-        bo.summarize(lives[2:], bo.Workload(), {})
+        bo.summarize(lives[:3], bo.Workload(), {})
 
 
 def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
@@ -103,23 +129,23 @@ def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
     monkeypatch.setattr(bo, "engine_measure", lambda params, work, w: fake_measure(
         {"baseline": 120, "kvlab": 118}, {"baseline": 0.05, "kvlab": 0.051}, [],
         {"baseline": 1.5, "kvlab": 1.52}, {"baseline": 90, "kvlab": 89}))
-    assert main(["bench", "overhead", "--repeats", "5", "--json", "--workdir", str(tmp_path / "w")]) == 0
+    assert main(["bench", "overhead", "--repeats", "6", "--json", "--workdir", str(tmp_path / "w")]) == 0
     out, err = capsys.readouterr()
     res = json.loads(out.strip().splitlines()[-1])
     for key in ("decode_rate_over_baseline", "miss_ttft_over_baseline", "compute_save_ttft_over_baseline",
                 "decode_save_rate_over_baseline"):
         assert {key, f"{key}_q1", f"{key}_q3"} <= set(res) and float(res[key]) > 0
-    assert res["repeats"] == 5 and res["schema"] == "kvlab.bench.overhead/4"
+    assert res["repeats"] == 6 and res["pairs"] == 3 and res["schema"] == "kvlab.bench.overhead/5"
     prov = res["provenance"]
     assert prov["git"]["commit"] and prov["versions"]["python"] and prov["host"]["cpu_count"]
     assert set(prov["engine_argv"]) == {"baseline", "kvlab"}
     # identical flags but the connector's
     assert prov["engine_argv_difference"]["baseline_only"] == []
     assert any("kv-transfer-config" in x or "KVLabConnector" in x for x in prov["engine_argv_difference"]["kvlab_only"])
-    assert "[10/10 ·" in err and "repeat 5/5" in err  # progress while it runs
+    assert "[12/12 ·" in err and "repeat 6/6" in err  # progress while it runs
 
 
-def test_the_engines_hold_the_saved_prompt_and_nine_repeats_are_the_default(tmp_path: Path) -> None:
+def test_the_engines_hold_the_saved_prompt_and_five_pairs_of_repeats_are_the_default(tmp_path: Path) -> None:
     w = bo.Workload()
     params = bo.engine_params(tmp_path / "tiny", tmp_path, w)
     assert params.max_model_len > w.save_prompt_tokens  # the computed-and-saved prompt fits
@@ -130,7 +156,8 @@ def test_the_engines_hold_the_saved_prompt_and_nine_repeats_are_the_default(tmp_
 
     sub = argparse.ArgumentParser().add_subparsers()
     bo.register(sub)
-    assert sub.choices["overhead"].parse_args([]).repeats >= 9
+    repeats = sub.choices["overhead"].parse_args([]).repeats
+    assert repeats >= 10 and repeats % 2 == 0
 
 
 def test_both_setups_compute_on_the_same_cores(tmp_path: Path) -> None:
@@ -156,6 +183,12 @@ def test_a_lifes_misses_each_follow_a_decode_request_so_they_sample_the_whole_li
 def test_a_repeat_count_below_one_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "overhead", "--repeats", "0"]) == 2
     assert "--repeats 0" in capsys.readouterr().err
+
+
+def test_an_odd_repeat_count_is_a_one_line_error_naming_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "overhead", "--repeats", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--repeats 9: give an even number (e.g. 10)" in err
 
 
 def test_a_lifes_decode_rate_is_its_requests_midmean_so_neither_a_burst_nor_a_step_mode_carries_it() -> None:
