@@ -23,11 +23,12 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def container_engines():
+def container_engines(serving_image):
     if shutil.which("podman") is None:
         pytest.fail("podman is not installed: run scripts/system-deps (installs podman and runc)")
     from kvlab.engines.container import ContainerEngines
 
+    serving_image()  # the build conftest.py started at the tier's start, if one was needed
     return ContainerEngines("cpu")  # builds the image once per set of inputs, loads it, checks its digest
 
 
