@@ -30,8 +30,9 @@ def serving_image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     it loads the image; a build still running at the session's end is interrupted (its own
     clean-up removes its work folder) and then killed, by its process group."""
     needs = any(Path(str(item.fspath)).name == "test_container_engine.py" for item in request.session.items)
-    proc, log = None, tmp_path_factory.mktemp("serving-image") / "build.log"
+    proc = None
     if needs and build.cached(build.plan("serve", "cpu")) is None:
+        log = tmp_path_factory.mktemp("serving-image") / "build.log"
         with log.open("wb") as out:
             # On the first core this process may use, niced: the engines' forward pass is bound
             # to every other core (kvlab.setups.registry.compute_cores), and the first one

@@ -159,10 +159,10 @@ FIGURES = {
 
 def _ratios(by: dict[tuple[str, int], LifeSample], repeats: list[int], field: str) -> dict[int, float] | None:
     """kvlab over baseline in each repeat; None where a life did not measure it."""
-    pairs = {r: (getattr(by["kvlab", r], field), getattr(by["baseline", r], field)) for r in repeats}
-    if any(k is None or b is None for k, b in pairs.values()):
+    both = {r: (getattr(by["kvlab", r], field), getattr(by["baseline", r], field)) for r in repeats}
+    if any(k is None or b is None for k, b in both.values()):
         return None
-    return {r: k / b for r, (k, b) in pairs.items()}
+    return {r: k / b for r, (k, b) in both.items()}
 
 
 def summarize(samples: list[LifeSample], workload: Workload, provenance: dict[str, Any]) -> dict[str, Any]:
@@ -176,15 +176,17 @@ def summarize(samples: list[LifeSample], workload: Workload, provenance: dict[st
     repeats = [r for pair in pairs for r in pair]
     ratios = {name: _ratios(by, repeats, field) for name, field in FIGURES.items()}
     measured = {name: rs for name, rs in ratios.items() if rs is not None}
+    per_pair = {name: pair_figures(rs, pairs) for name, rs in measured.items()}
     return {
         "schema": SCHEMA,
         "repeats": len(repeats),
         "pairs": len(pairs),
-        **{k: v for name, rs in measured.items() for k, v in _spread(name, pair_figures(rs, pairs)).items()},
+        **{k: v for name, figures in per_pair.items() for k, v in _spread(name, figures).items()},
         **{setup: {field: statistics.median(getattr(by[setup, r], field) for r in repeats)
                    for name, field in FIGURES.items() if name in measured} for setup in SETUPS},
-        "per_repeat": {"order": [list(order_of(r)) for r in repeats], **{n: list(rs.values()) for n, rs in measured.items()}},
-        "per_pair": {name: pair_figures(rs, pairs) for name, rs in measured.items()},
+        "per_repeat": {"order": [list(order_of(r)) for r in repeats],
+                       **{name: list(rs.values()) for name, rs in measured.items()}},
+        "per_pair": per_pair,
         "workload": asdict(workload),
         "raw": [asdict(s) for s in samples],
         "provenance": provenance,

@@ -233,10 +233,14 @@ def test_device_io_self_test_names_the_drive_and_what_went_wrong(tmp_path: Path)
     assert why is not None and str(bad) in why and str(good) not in why
     why = DeviceIO(_FlippingFile, "flipping").self_test(torch.device("cpu"), [good])
     assert why == f"{good}: the bytes read back differ from those written"
+    _StuckFile.released.clear()
     t0 = time.monotonic()
-    why = DeviceIO(_StuckFile, "stuck").self_test(torch.device("cpu"), [good], timeout_s=0.3)
-    assert why == "timed out after 0.3 s" and time.monotonic() - t0 < 2, "a hung call costs the timeout only"
-    _StuckFile.released.set()  # the abandoned self-test ends with this test
+    try:
+        why = DeviceIO(_StuckFile, "stuck").self_test(torch.device("cpu"), [good], timeout_s=0.3)
+        took = time.monotonic() - t0
+    finally:
+        _StuckFile.released.set()  # the abandoned self-test ends with this test, whatever it found
+    assert why == "timed out after 0.3 s" and took < 2, "a hung call costs the timeout only"
 
 
 def test_device_io_self_test_refuses_a_device_checksum_the_host_would_not_match(
