@@ -2,10 +2,11 @@
 
 Baseline (no connector) and kvlab engines are started from the same EngineParams (the same
 flags, the forward pass bound to the same cores, `compute_cores`: all but the first, which the
-engine's scheduler and API processes share; only kvlab's --kv-transfer-config differs), one at a time,
-interleaved: repeat r runs baseline then kvlab, repeat r+1 kvlab then baseline, so that no
-setup always runs first on a machine whose speed drifts. In each engine life, after an
-unrelated warm-up request of the decode requests' shape:
+engines' scheduler and API processes share; only kvlab's --kv-transfer-config differs). In each
+repeat both engines live side by side, one idle while the other computes: the requests go in
+rounds, a round to one engine and then the same round to the other, the order alternating
+(ABBA), so that the machine's drift within the repeat falls on both alike. After an unrelated
+warm-up request of the decode requests' shape, each engine gets:
 
 - decode: fresh prompts of `decode_prompt_tokens`, each answered with `decode_tokens`;
   a request's rate is (output tokens - 1) / (total - TTFT); the life's is their midmean.
@@ -19,10 +20,10 @@ unrelated warm-up request of the decode requests' shape:
 
 Every prompt is new to every cache: it is keyed by the repeat, so both setups of one repeat
 send the same prompts and kvlab's store never holds them beforehand. A ratio is kvlab over
-baseline within a repeat, which cancels the drift between repeats; the repeats pair up (2k
-baseline first, 2k+1 kvlab first) and a pair's figure is the geometric mean of its two ratios,
-which cancels what a life's place in its repeat costs, whichever way (`pair_figures`). The
-medians and quartiles are over the pairs.
+baseline within a repeat; the repeats pair up (2k started baseline first and begins its rounds
+with it, 2k+1 kvlab) and a pair's figure is the geometric mean of its two ratios, which cancels
+what going first costs, whichever way (`pair_figures`). The medians and quartiles are over the
+pairs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,7 @@ from kvlab.net import free_port
 from kvlab.paths import state_dir
 from kvlab.setups import registry as setups
 
-SCHEMA = "kvlab.bench.overhead/5"
+SCHEMA = "kvlab.bench.overhead/6"
 SETUPS = ("baseline", "kvlab")
 
 
@@ -69,10 +71,10 @@ class Workload:
     # 7-repeat runs, a life's misses sat within +-10% of its median while the lives' medians ran
     # from 21 to 30 ms, and decode from 88 to 141 tokens/s), so a life's twentieth request adds
     # less than another repeat's paired ratio. 10 decode, 10 miss, 3 save and 10 decode-while-
-    # saving requests make a life ~75 s (~36 s of it the start) against ~95 s with 20/20/5/20:
-    # 10 repeats took 1,492 s (the default: five pairs, `pair_figures`), 9 took 21 min. Five of
-    # each (a ~50 s life) was measured too: one burst then carried three of a life's five decode
-    # requests.
+    # saving requests made a life ~75 s (~36 s of it the start) against ~95 s with 20/20/5/20;
+    # side by side (`engine_measure`) a repeat takes ~150 s, ten (the default: five pairs,
+    # `pair_figures`) ~26 min. Five of each (a ~50 s life) was measured too: one burst then
+    # carried three of a life's five decode requests.
     decode_requests: int = 10
     miss_prompt_tokens: int = 100
     # A miss takes ~20 ms, so a streak covers several back to back: each follows a decode
@@ -102,7 +104,8 @@ class LifeSample:
     decode_save_tok_s_all: tuple[float, ...] = ()
 
 
-Measure = Callable[[str, int], LifeSample]
+# One repeat: both setups' engines side by side, a LifeSample of each.
+Measure = Callable[[int], list[LifeSample]]
 
 
 def order_of(repeat: int) -> tuple[str, ...]:
@@ -111,20 +114,20 @@ def order_of(repeat: int) -> tuple[str, ...]:
 
 
 def run_overhead(repeats: int, measure: Measure, progress: Callable[[str], None] = note) -> list[LifeSample]:
-    """Every repeat's engine lives in their interleaved order, with progress and an estimate."""
-    lives = [(r, setup) for r in range(repeats) for setup in order_of(r)]
+    """Every repeat in turn, with progress and an estimate."""
     out: list[LifeSample] = []
     t0 = time.monotonic()
-    for i, (r, setup) in enumerate(lives):
+    for r in range(repeats):
         elapsed = time.monotonic() - t0
-        left = f" · ~{elapsed / i * (len(lives) - i):.0f} s left" if i else ""
-        progress(f"[{i + 1}/{len(lives)} · {elapsed:.0f} s elapsed{left}] repeat {r + 1}/{repeats}: {setup}")
-        s = measure(setup, r)
-        saving = (f", compute+save TTFT {s.save_ttft_s:.3f} s, decode while saving {s.decode_save_tok_s:.1f} "
-                  "tokens/s" if s.save_ttft_s is not None and s.decode_save_tok_s is not None else "")
-        progress(f"  {setup}: decode {s.decode_tok_s:.1f} tokens/s, miss TTFT {s.miss_ttft_s:.3f} s{saving} "
-                 f"(engine start {s.engine_start_s:.0f} s)")
-        out.append(s)
+        left = f" · ~{elapsed / r * (repeats - r):.0f} s left" if r else ""
+        progress(f"[{r + 1}/{repeats} · {elapsed:.0f} s elapsed{left}] repeat {r + 1}/{repeats}: "
+                 f"{' and '.join(order_of(r))}, side by side")
+        for s in measure(r):
+            saving = (f", compute+save TTFT {s.save_ttft_s:.3f} s, decode while saving {s.decode_save_tok_s:.1f} "
+                      "tokens/s" if s.save_ttft_s is not None and s.decode_save_tok_s is not None else "")
+            progress(f"  {s.setup}: decode {s.decode_tok_s:.1f} tokens/s, miss TTFT {s.miss_ttft_s:.3f} s{saving} "
+                     f"(engine start {s.engine_start_s:.0f} s)")
+            out.append(s)
     return out
 
 
@@ -215,50 +218,74 @@ def rates_of(requests: list[tuple[int, float, float]]) -> tuple[float | None, tu
     return (metrics.midmean(each) if each else None), each
 
 
+# After each round, before the other engine's: one engine's work in the background (kvlab's
+# saves of the round's last request) must not land on the other's requests. A computed-and-saved
+# prompt leaves up to 64 MiB to write (tens of ms here); the other rounds a block or a chunk.
+SETTLE_S = {"save": 0.5}
+SETTLE_DEFAULT_S = 0.1
+
+
+def life_rounds(w: Workload) -> list[tuple[str, ...]]:
+    """A life's requests in rounds, each sent to one engine and then the same to the other: a
+    miss after each decode (the misses spread over the life), those of the larger count left
+    over alone; then the computed-and-saved prompts, then the decodes while saving, one a round."""
+    rounds = [tuple(kind for kind, n in (("decode", w.decode_requests), ("miss", w.miss_requests)) if i < n)
+              for i in range(max(w.decode_requests, w.miss_requests))]
+    return rounds + [("save",)] * w.save_requests + [("decode_save",)] * w.decode_save_requests
+
+
 def life_order(w: Workload) -> list[str]:
-    """The order of a life's decode and miss requests: a miss after each decode, so that the
-    misses spread over the life's streaks; those of the larger count left over come last."""
-    order = []
-    for i in range(max(w.decode_requests, w.miss_requests)):
-        order += [kind for kind, n in (("decode", w.decode_requests), ("miss", w.miss_requests)) if i < n]
-    return order
+    """Each engine's requests in the order it gets them."""
+    return [kind for r in life_rounds(w) for kind in r]
 
 
 def engine_measure(params: setups.EngineParams, work: Path, w: Workload) -> Measure:
-    """A Measure that starts the setup's engine, measures one life and stops it by its PID."""
+    """A Measure that starts both setups' engines, measures them side by side and stops them by
+    their PIDs. The rounds of requests alternate between the engines (ABBA), so that the
+    machine's drift within a repeat (one life's decode rates fell from 123 to 96 tokens/s over
+    its ~40 s) falls on both alike."""
+    sizes = {"decode": (w.decode_prompt_tokens, w.decode_tokens), "miss": (w.miss_prompt_tokens, 1),
+             "save": (w.save_prompt_tokens, 1), "decode_save": (w.decode_save_prompt_tokens, w.decode_save_tokens)}
 
-    def measure(setup: str, repeat: int) -> LifeSample:
-        server = EngineServer(setups.render(setup, params), work / "logs")
+    def measure(repeat: int) -> list[LifeSample]:
+        order = order_of(repeat)
+        servers = {setup: EngineServer(setups.render(setup, params if i == 0 else replace(
+            params, port=free_port(), kv_metrics_port=free_port())), work / "logs") for i, setup in enumerate(order)}
+        got: dict[str, dict[str, list]] = {s: {kind: [] for kind in sizes} for s in order}
         try:
-            start_s = server.start(progress=True)
-            url = server.base_url
-            # The warm-up is a decode request too, so that one-time costs (kvlab's first save,
-            # its threads' start) fall into it: measured, the first of 3 decodes ran at 22 tok/s
-            # against 49 and 81 after it, when the warm-up was a short prompt.
-            complete(url, "tiny", token_ids(f"overhead:{repeat}:warmup", w.decode_prompt_tokens), w.decode_tokens)
-            done: list[tuple[int, float, float]] = []
-            misses: list[float] = []
-            for kind in life_order(w):
-                if kind == "decode":
-                    done.append(decode(url, f"overhead:{repeat}:decode{len(done)}", w.decode_prompt_tokens,
-                                       w.decode_tokens))
-                else:
-                    misses.append(complete(url, "tiny", token_ids(f"overhead:{repeat}:miss{len(misses)}",
-                                                                  w.miss_prompt_tokens), 1).ttft_s)
-            rate, rates = rates_of(done)
-            saves = [complete(url, "tiny", token_ids(f"overhead:{repeat}:save{i}", w.save_prompt_tokens), 1).ttft_s
-                     for i in range(w.save_requests)]
-            save_rate, save_rates = rates_of([decode(url, f"overhead:{repeat}:decsave{i}", w.decode_save_prompt_tokens,
-                                                     w.decode_save_tokens) for i in range(w.decode_save_requests)])
+            # Both start at once (a start is ~30 s, most of it waiting on one core); the first shows progress.
+            with ThreadPoolExecutor(len(order)) as pool:
+                starting = {setup: pool.submit(servers[setup].start, i == 0) for i, setup in enumerate(order)}
+            start_s = {setup: f.result() for setup, f in starting.items()}
+            for setup in order:
+                # The warm-up is a decode request too, so that one-time costs (kvlab's first save,
+                # its threads' start) fall into it: measured, the first of 3 decodes ran at 22 tok/s
+                # against 49 and 81 after it, when the warm-up was a short prompt.
+                decode(servers[setup].base_url, f"overhead:{repeat}:warmup", *sizes["decode"])
+            for k, kinds in enumerate(life_rounds(w)):
+                for setup in order if k % 2 == 0 else reversed(order):
+                    for kind in kinds:
+                        key = f"overhead:{repeat}:{kind}{len(got[setup][kind])}"
+                        got[setup][kind].append(decode(servers[setup].base_url, key, *sizes[kind]))
+                    time.sleep(max(SETTLE_S.get(kind, SETTLE_DEFAULT_S) for kind in kinds))
         finally:
-            server.stop()
-        if rate is None or save_rate is None:
-            raise RuntimeError(f"{setup}: no decode rate measured (answers of fewer than 2 tokens?)")
-        return LifeSample(setup, repeat, rate, statistics.median(misses), start_s,
-                          rates, tuple(misses), statistics.median(saves), save_rate,
-                          tuple(saves), save_rates)
+            for server in servers.values():
+                server.stop()
+        return [life_sample(setup, repeat, start_s[setup], got[setup]) for setup in order]
 
     return measure
+
+
+def life_sample(setup: str, repeat: int, start_s: float, got: dict[str, list[tuple[int, float, float]]]) -> LifeSample:
+    """One life's figures from its requests' (output_tokens, ttft_s, total_s)."""
+    rate, rates = rates_of(got["decode"])
+    save_rate, save_rates = rates_of(got["decode_save"])
+    if rate is None or save_rate is None:
+        raise RuntimeError(f"{setup}: no decode rate measured (answers of fewer than 2 tokens?)")
+    misses = tuple(t for _, t, _ in got["miss"])
+    saves = tuple(t for _, t, _ in got["save"])
+    return LifeSample(setup, repeat, rate, statistics.median(misses), start_s, rates, misses,
+                      statistics.median(saves), save_rate, saves, save_rates)
 
 
 def argv_difference(params: setups.EngineParams) -> dict[str, list[str]]:

@@ -16,20 +16,20 @@ def fake_measure(decode: dict[str, float], miss: dict[str, float], seen: list[tu
                  save: dict[str, float] | None = None, decode_save: dict[str, float] | None = None,
                  second: float = 1.0) -> bo.Measure:
     """kvlab's figures a fixed share of baseline's, both drifting with the repeat (a machine
-    whose speed changes), and the second life of a repeat `second` times slower: the ratio
-    within a repeat cancels the drift, a pair's figure the second life's cost."""
+    whose speed changes), and the setup that goes second in a repeat `second` times slower: the
+    ratio within a repeat cancels the drift, a pair's figure the cost of going second."""
 
-    def measure(setup: str, repeat: int) -> bo.LifeSample:
+    def life(setup: str, repeat: int) -> bo.LifeSample:
         seen.append((setup, repeat))
         drift = (1 + 0.1 * repeat) * (second if bo.order_of(repeat)[1] == setup else 1.0)
         return bo.LifeSample(setup, repeat, decode[setup] / drift, miss[setup] * drift, 30.0,
                              save_ttft_s=save[setup] * drift if save else None,
                              decode_save_tok_s=decode_save[setup] / drift if decode_save else None)
 
-    return measure
+    return lambda repeat: [life(setup, repeat) for setup in bo.order_of(repeat)]
 
 
-def test_lives_interleave_and_alternate_which_setup_goes_first() -> None:
+def test_repeats_alternate_which_setup_goes_first() -> None:
     seen: list[tuple[str, int]] = []
     bo.run_overhead(4, fake_measure({"baseline": 100, "kvlab": 90}, {"baseline": 0.1, "kvlab": 0.11}, seen),
                     progress=lambda m: None)
@@ -67,7 +67,7 @@ def test_saving_figures_are_kvlab_over_baseline_within_each_repeat() -> None:
 
 
 def test_a_lifes_place_in_its_repeat_cancels_within_each_pair() -> None:
-    """The second life of every repeat 12% slower, whichever setup it is: single repeats'
+    """The setup that goes second in a repeat 12% slower, whichever it is: single repeats'
     ratios swing either way of the truth, each pair's figure is exact (and so is the median
     over an odd count of repeats no more: the last, unpaired repeat is left out)."""
     samples = bo.run_overhead(9, fake_measure({"baseline": 100, "kvlab": 97}, {"baseline": 0.1, "kvlab": 0.102}, [],
@@ -135,14 +135,14 @@ def test_the_cli_prints_one_json_object_with_the_keys_and_provenance(
     for key in ("decode_rate_over_baseline", "miss_ttft_over_baseline", "compute_save_ttft_over_baseline",
                 "decode_save_rate_over_baseline"):
         assert {key, f"{key}_q1", f"{key}_q3"} <= set(res) and float(res[key]) > 0
-    assert res["repeats"] == 6 and res["pairs"] == 3 and res["schema"] == "kvlab.bench.overhead/5"
+    assert res["repeats"] == 6 and res["pairs"] == 3 and res["schema"] == "kvlab.bench.overhead/6"
     prov = res["provenance"]
     assert prov["git"]["commit"] and prov["versions"]["python"] and prov["host"]["cpu_count"]
     assert set(prov["engine_argv"]) == {"baseline", "kvlab"}
     # identical flags but the connector's
     assert prov["engine_argv_difference"]["baseline_only"] == []
     assert any("kv-transfer-config" in x or "KVLabConnector" in x for x in prov["engine_argv_difference"]["kvlab_only"])
-    assert "[12/12 ·" in err and "repeat 6/6" in err  # progress while it runs
+    assert "[6/6 ·" in err and "repeat 6/6: kvlab and baseline, side by side" in err  # progress while it runs
 
 
 def test_the_engines_hold_the_saved_prompt_and_five_pairs_of_repeats_are_the_default(tmp_path: Path) -> None:
@@ -172,12 +172,70 @@ def test_both_setups_compute_on_the_same_cores(tmp_path: Path) -> None:
 def test_a_lifes_misses_each_follow_a_decode_request_so_they_sample_the_whole_life() -> None:
     # 20 misses of ~20 ms back to back fall in one of a life's streaks; after each decode they
     # spread over it
-    order = bo.life_order(bo.Workload(decode_requests=4, miss_requests=4))
-    assert order == ["decode", "miss"] * 4
-    uneven = bo.life_order(bo.Workload(decode_requests=3, miss_requests=5))
-    assert uneven == ["decode", "miss"] * 3 + ["miss", "miss"]
+    assert bo.life_rounds(bo.Workload(decode_requests=4, miss_requests=4, save_requests=0,
+                                      decode_save_requests=0)) == [("decode", "miss")] * 4
+    uneven = bo.life_order(bo.Workload(decode_requests=3, miss_requests=5, save_requests=1, decode_save_requests=2))
+    assert uneven == ["decode", "miss"] * 3 + ["miss", "miss", "save", "decode_save", "decode_save"]
     w = bo.Workload()
-    assert bo.life_order(w) == ["decode", "miss"] * 10
+    assert bo.life_order(w) == ["decode", "miss"] * 10 + ["save"] * 3 + ["decode_save"] * 10
+
+
+class FakeServer:
+    """An engine that answers at once; records what it was sent, and its start and stop."""
+
+    log: list[str] = []
+
+    def __init__(self, deployment, log_dir) -> None:  # type: ignore[no-untyped-def]
+        self.setup, self.port = deployment.setup, deployment.engine.argv[deployment.engine.argv.index("--port") + 1]
+        self.base_url = f"http://{self.setup}"
+
+    def start(self, progress: bool = False) -> float:
+        FakeServer.log.append(f"start {self.setup} :{self.port}")
+        return 30.0
+
+    def stop(self) -> None:
+        FakeServer.log.append(f"stop {self.setup}")
+
+
+def test_both_engines_of_a_repeat_live_side_by_side_and_their_rounds_alternate(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds ABBA: a round to one engine, then the same to the other; the next round starts
+    with the one that went second. Each engine has its own port, both are stopped."""
+    FakeServer.log = []
+    monkeypatch.setattr(bo, "EngineServer", FakeServer)
+    monkeypatch.setattr(bo, "SETTLE_S", {})
+    monkeypatch.setattr(bo, "SETTLE_DEFAULT_S", 0)
+    monkeypatch.setattr(bo, "decode", lambda url, key, prompt, tokens: (
+        FakeServer.log.append(f"{url[7:]} {key.split(':')[-1]}") or (tokens, 0.02, 0.02 + tokens / 100)))
+    w = bo.Workload(decode_requests=2, miss_requests=2, save_requests=1, decode_save_requests=2)
+    lives = bo.engine_measure(bo.engine_params(tmp_path / "tiny", tmp_path, w), tmp_path, w)(1)
+    log = FakeServer.log
+    assert sorted(x.split()[1] for x in log[:2]) == ["baseline", "kvlab"] and log[0].split()[2] != log[1].split()[2]
+    assert log[2:] == [
+        "kvlab warmup", "baseline warmup",
+        "kvlab decode0", "kvlab miss0", "baseline decode0", "baseline miss0",
+        "baseline decode1", "baseline miss1", "kvlab decode1", "kvlab miss1",
+        "kvlab save0", "baseline save0",
+        "baseline decode_save0", "kvlab decode_save0", "kvlab decode_save1", "baseline decode_save1",
+        "stop kvlab", "stop baseline"]
+    assert [(s.setup, s.repeat) for s in lives] == [("kvlab", 1), ("baseline", 1)]
+    assert lives[0].miss_ttft_s_all == (0.02, 0.02) and lives[0].decode_tok_s == pytest.approx(127 / 1.28)
+
+
+def test_a_failed_engine_start_stops_the_engine_already_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeServer.log = []
+
+    class FailsSecond(FakeServer):
+        def start(self, progress: bool = False) -> float:
+            if FakeServer.log:
+                raise RuntimeError("no engine")
+            return super().start(progress)
+
+    monkeypatch.setattr(bo, "EngineServer", FailsSecond)
+    w = bo.Workload()
+    with pytest.raises(RuntimeError, match="no engine"):
+        bo.engine_measure(bo.engine_params(tmp_path / "tiny", tmp_path, w), tmp_path, w)(0)
+    assert FakeServer.log[0].startswith("start ") and {"stop baseline", "stop kvlab"} <= set(FakeServer.log)
 
 
 def test_a_repeat_count_below_one_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
