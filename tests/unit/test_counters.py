@@ -110,9 +110,14 @@ def test_the_worker_reports_every_declared_counter(tmp_path: Path) -> None:
         w.store.close()
 
 
+def in_fresh_interpreter(code: str) -> None:
+    """Run code that imports vLLM in a fresh interpreter: vLLM's import of torch._dynamo fails
+    in a process where Ansible (other unit tests) has patched sys.intern."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_vllms_connector_stats_carry_every_reported_counter() -> None:
-    # In a fresh interpreter: vLLM's import of torch._dynamo fails in a process where
-    # Ansible (other unit tests) has patched sys.intern.
     code = (
         "from kvlab_connector.counters import WORKER_REPORTED\n"
         "from kvlab_connector.vllm_stats import COUNTERS, KvlabStats, delta\n"
@@ -121,5 +126,22 @@ def test_vllms_connector_stats_carry_every_reported_counter() -> None:
         "r = stats.reduce()\n"
         "assert r['missing'] == 3 and r['load_error_blocks'] == 2, r\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    in_fresh_interpreter(code)
+
+
+def test_an_interval_in_which_nothing_moved_is_reported_once_then_not_at_all() -> None:
+    """Each report travels worker -> scheduler -> API server every step: a decode with nothing to
+    save or load reported an all-zero interval at each of its steps."""
+    code = (
+        "from kvlab_connector.vllm_stats import Intervals\n"
+        "i = Intervals()\n"
+        "a = i.next({'bytes_written': 10})\n"
+        "assert a['bytes_written'] == 10, a\n"
+        "b = i.next({'bytes_written': 10})\n"
+        "assert b is not None and not any(b.values()), b  # zeros once: vLLM no longer shows 10\n"
+        "assert i.next({'bytes_written': 10}) is None and i.next({'bytes_written': 10}) is None\n"
+        "c = i.next({'bytes_written': 25, 'missing': 1})\n"
+        "assert (c['bytes_written'], c['missing']) == (15, 1), c\n"
+        "assert not any(i.next({'bytes_written': 25, 'missing': 1}).values())\n"
+    )
+    in_fresh_interpreter(code)

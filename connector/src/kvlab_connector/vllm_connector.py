@@ -22,6 +22,7 @@ from kvlab_connector.layout import layout_from_vllm
 from kvlab_connector.scheduler import SchedulerSide, StepMetadata
 from kvlab_connector.scrub import Scrubber
 from kvlab_connector.store.store import Store
+from kvlab_connector.vllm_stats import Intervals
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +51,7 @@ class KvlabConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._scrubber: Scrubber | None = None
         self._worker = None
-        self._last_counters: dict[str, Any] = {}
+        self._intervals = Intervals()
         if role == KVConnectorRole.SCHEDULER:
             scan = self.store.rebuild()
             log.info(
@@ -116,13 +117,10 @@ class KvlabConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> Any:
         if self._worker is None:
             return None
-        from kvlab_connector.vllm_stats import KvlabStats, delta
+        from kvlab_connector.vllm_stats import KvlabStats
 
-        now = self._worker.counters()
-        stats = KvlabStats(data=delta(now, self._last_counters))
-        self._last_counters = now
-        # An empty interval is reported as such: vLLM keeps showing the last stats it got.
-        return stats
+        data = self._intervals.next(self._worker.counters())
+        return None if data is None else KvlabStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:

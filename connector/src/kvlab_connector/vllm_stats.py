@@ -34,3 +34,24 @@ class KvlabStats(KVConnectorStats):
 
 def delta(now: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
     return {k: now.get(k, 0) - last.get(k, 0) for k in COUNTERS}
+
+
+class Intervals:
+    """The worker's counters as vLLM's stats, one interval a step. An interval in which nothing
+    moved is reported once after one that moved (vLLM then shows zeros, not the last numbers),
+    and after that not at all: every report travels worker -> scheduler -> API server and is
+    logged there, each decode step, and the steps of a request with nothing to save or load
+    are most steps."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, Any] = {}
+        self._empty_reported = False
+
+    def next(self, now: dict[str, Any]) -> dict[str, Any] | None:
+        data = delta(now, self._last)
+        self._last = now
+        empty = not any(data.values())
+        if empty and self._empty_reported:
+            return None
+        self._empty_reported = empty
+        return data
