@@ -22,7 +22,7 @@ from kvlab_connector.layout import layout_from_vllm
 from kvlab_connector.scheduler import SchedulerSide, StepMetadata
 from kvlab_connector.scrub import Scrubber
 from kvlab_connector.store.store import Store
-from kvlab_connector.vllm_stats import Intervals
+from kvlab_connector.vllm_stats import Intervals, KvlabStats
 
 if TYPE_CHECKING:
     import torch
@@ -117,15 +117,11 @@ class KvlabConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> Any:
         if self._worker is None:
             return None
-        from kvlab_connector.vllm_stats import KvlabStats
-
         data = self._intervals.next(self._worker.counters())
         return None if data is None else KvlabStats(data=data)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
-        from kvlab_connector.vllm_stats import KvlabStats
-
         stats = KvlabStats()
         stats.reset()
         if data:

@@ -78,7 +78,7 @@ class Workload:
     decode_requests: int = 10
     miss_prompt_tokens: int = 100
     # A miss takes ~20 ms, so a streak covers several back to back: each follows a decode
-    # request instead (`life_order`), and the life's median samples its streaks as decode does.
+    # request instead (`life_rounds`), and the life's median samples its streaks as decode does.
     miss_requests: int = 10
     save_prompt_tokens: int = 4096  # eight 512-token chunks, computed and saved
     save_requests: int = 3
@@ -232,11 +232,6 @@ def life_rounds(w: Workload) -> list[tuple[str, ...]]:
     rounds = [tuple(kind for kind, n in (("decode", w.decode_requests), ("miss", w.miss_requests)) if i < n)
               for i in range(max(w.decode_requests, w.miss_requests))]
     return rounds + [("save",)] * w.save_requests + [("decode_save",)] * w.decode_save_requests
-
-
-def life_order(w: Workload) -> list[str]:
-    """Each engine's requests in the order it gets them."""
-    return [kind for r in life_rounds(w) for kind in r]
 
 
 def engine_measure(params: setups.EngineParams, work: Path, w: Workload) -> Measure:
