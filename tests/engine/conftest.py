@@ -25,8 +25,9 @@ def tiny_model() -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def serving_image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], None]]:
     """The CPU serving image, built in the background from the tier's start when a collected test
-    needs it and no build of its inputs is cached: cold, it takes ~3 minutes, which the tests
-    before test_container_engine.py hide. Yields `wait`, which that test's fixture calls before
+    needs it and no build of its inputs is cached: niced on the first core beside the engines it
+    takes longer than the tests before it (20 min, cold), which is why test_container_engine.py
+    runs last (pytest_collection_modifyitems). Yields `wait`, which that test's fixture calls before
     it loads the image; a build still running at the session's end is interrupted (its own
     clean-up removes its work folder) and then killed, by its process group."""
     needs = any(Path(str(item.fspath)).name == "test_container_engine.py" for item in request.session.items)
@@ -61,3 +62,10 @@ def serving_image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of the serving image run last: its cold build (`serving_image`) runs beside
+    every other test of the tier, and in file order test_container_engine.py came fifth and
+    waited 171 s for it (a cold tier, 2 cores)."""
+    items.sort(key=lambda item: Path(str(item.fspath)).name == "test_container_engine.py")
