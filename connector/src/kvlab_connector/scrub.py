@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kvlab_connector import metrics
 from kvlab_connector.fsck import IN_FLIGHT_S, SectionReader, Throttle, check_object, walk
+from kvlab_connector.osutil import name_os_thread
 from kvlab_connector.store.ledger import Ledger
 
 log = logging.getLogger("vllm.kvlab_connector")
@@ -60,6 +61,7 @@ class Scrubber:
         return removed
 
     def _run(self) -> None:
+        name_os_thread()
         while not self._stop.is_set():
             try:
                 self.pass_once()

@@ -22,3 +22,18 @@ def test_io_threads_run_below_the_priority_of_the_thread_that_submits() -> None:
         assert _nice() == mine  # the caller (the forward pass) keeps its own priority
     finally:
         engine.shutdown()
+
+
+def _comm() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+        return f.read().strip()
+
+
+def test_io_threads_carry_their_name_in_the_kernel() -> None:
+    # What top -H and a per-thread CPU count read: not the engine process's name.
+    engine = PosixEngine(threads=2)
+    try:
+        names = {engine.submit(_comm).result(timeout=30) for _ in range(4)}
+        assert names and all(n.startswith("kvlab-io") for n in names), names
+    finally:
+        engine.shutdown()

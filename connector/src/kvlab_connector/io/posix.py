@@ -15,6 +15,7 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from kvlab_connector.osutil import name_os_thread
 from kvlab_connector.ring import PAGE
 
 
@@ -88,6 +89,7 @@ def yield_to_compute(nice: int = IO_THREAD_NICE) -> None:
 
 
 def _io_thread_start() -> None:
+    name_os_thread()
     spread_over_process_cpus()
     yield_to_compute()
 

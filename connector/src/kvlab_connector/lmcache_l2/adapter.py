@@ -41,6 +41,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvlab_connector.lmcache_l2.config import KvlabL2AdapterConfig
 from kvlab_connector.lmcache_l2.keys import namespace_of, shape_for, store_key
+from kvlab_connector.osutil import name_os_thread
 from kvlab_connector.ring import PAGE, RingFull, StagingRing, align_up
 from kvlab_connector.store import ObjectShape, Store
 
@@ -125,9 +126,9 @@ class KvlabL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
-        self._stores = ThreadPoolExecutor(2, thread_name_prefix="kvlab-l2-store")
-        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvlab-l2-lookup")
-        self._loads = ThreadPoolExecutor(2, thread_name_prefix="kvlab-l2-load")
+        self._stores = ThreadPoolExecutor(2, thread_name_prefix="kvlab-l2-store", initializer=name_os_thread)
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvlab-l2-lookup", initializer=name_os_thread)
+        self._loads = ThreadPoolExecutor(2, thread_name_prefix="kvlab-l2-load", initializer=name_os_thread)
         self._closed = False
 
     # ---- event fds --------------------------------------------------------------------

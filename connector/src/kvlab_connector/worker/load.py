@@ -21,6 +21,7 @@ import torch
 
 from kvlab_connector import metrics
 from kvlab_connector.io.posix import spread_over_process_cpus
+from kvlab_connector.osutil import name_os_thread
 from kvlab_connector.ring import RingFull
 from kvlab_connector.scheduler import ChunkIO, StepMetadata
 from kvlab_connector.worker.media import Transfers
@@ -127,6 +128,7 @@ class LoadPipeline:
     def _feed(self, load: _Load) -> None:
         t = self.t
         medium, store = t.medium, t.store
+        name_os_thread()
         spread_over_process_cpus()
         files: dict[int, list[Any] | None] = {}
         shapes = [t.shape(chunk.block_ids) for chunk in load.chunks]
