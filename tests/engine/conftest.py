@@ -30,7 +30,7 @@ def serving_image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     runs last (pytest_collection_modifyitems). Yields `wait`, which that test's fixture calls before
     it loads the image; a build still running at the session's end is interrupted (its own
     clean-up removes its work folder) and then killed, by its process group."""
-    needs = any(Path(str(item.fspath)).name == "test_container_engine.py" for item in request.session.items)
+    needs = any(_needs_image(item) for item in request.session.items)
     proc = None
     if needs and build.cached(build.plan("serve", "cpu")) is None:
         log = tmp_path_factory.mktemp("serving-image") / "build.log"
@@ -68,4 +68,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of the serving image run last: its cold build (`serving_image`) runs beside
     every other test of the tier, and in file order test_container_engine.py came fifth and
     waited 171 s for it (a cold tier, 2 cores)."""
-    items.sort(key=lambda item: Path(str(item.fspath)).name == "test_container_engine.py")
+    items.sort(key=_needs_image)
+
+
+def _needs_image(item: pytest.Item) -> bool:
+    return Path(str(item.fspath)).name == "test_container_engine.py"
