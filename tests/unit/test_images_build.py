@@ -9,6 +9,8 @@ import re
 import shutil
 import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,14 @@ def tools(flavor: str) -> str:
     return "python tarfile"
 
 
+BUILDS: list[str] = []  # one entry per build this builder ran
+RELEASE = threading.Event()  # set: a build may finish (the concurrency test holds it open)
+RELEASE.set()
+
+
 def build(flavor: str, work: Path, log) -> Built:
+    BUILDS.append(flavor)
+    assert RELEASE.wait(30), "the test never let the build finish"
     artifact = work / "image.tar"
     with tarfile.open(artifact, "w", format=tarfile.PAX_FORMAT) as tar:
         for name, data in (("etc/hostname", b"tiny\n"), ("etc/motd", MOTD)):
@@ -94,6 +103,38 @@ def test_a_rebuild_that_differs_fails_and_diffoscope_names_the_file(tiny, monkey
     rebuild = first.with_name(first.name + ".rebuild")
     assert (rebuild / "diffoscope-image.tar.txt").exists()
     assert orchestrator.manifest(first)["sha256"] != orchestrator.manifest(rebuild)["sha256"]
+
+
+def test_an_ensure_beside_a_running_build_waits_for_it_and_builds_nothing(tiny, monkeypatch):
+    """make test builds its images in the background while a tier may ask for the same one."""
+    monkeypatch.setattr(sys.modules[__name__], "BUILDS", [])
+    RELEASE.clear()
+    waiting = threading.Event()
+    stores: dict[str, Path] = {}
+
+    def first() -> None:
+        stores["first"] = orchestrator.ensure("tiny", log=lambda _m: None)
+
+    def second_log(msg: str) -> None:
+        if "waiting for its build" in msg:
+            waiting.set()
+
+    def second() -> None:
+        stores["second"] = orchestrator.ensure("tiny", log=second_log)
+
+    try:
+        a = threading.Thread(target=first)
+        a.start()
+        while not BUILDS and a.is_alive():  # the first build is under way, holding the lock
+            time.sleep(0.01)
+        b = threading.Thread(target=second)
+        b.start()
+        assert waiting.wait(10), "the second ensure did not wait for the running build"
+    finally:
+        RELEASE.set()
+    a.join(30)
+    b.join(30)
+    assert BUILDS == [""] and stores["first"] == stores["second"] == orchestrator.plan("tiny").store
 
 
 def test_unknown_image_and_flavor_are_named():

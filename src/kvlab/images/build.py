@@ -10,7 +10,9 @@ not, diffoscope says where.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import importlib
 import json
 import os
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -222,10 +224,35 @@ def _mismatch(p: Plan, fresh: Path, files: list[str], log: Log) -> ImageError:
     )
 
 
+@contextlib.contextmanager
+def _one_build_at_a_time(p: Plan, log: Log) -> Iterator[None]:
+    """Hold the store path's lock while a build of it runs: a second `ensure` of the same identity
+    (make test builds the images in the background while a tier may ask for one) waits for the
+    first instead of building it again beside it, and two builds never race to rename into one
+    store path. The lock file stays (removing it would let a third process lock a new inode)."""
+    images_dir().mkdir(parents=True, exist_ok=True)
+    with (images_dir() / f".{p.store.name}.lock").open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            log(f"{p.store.name}: waiting for its build in {holder}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        lock.truncate(0)
+        lock.write(f"process {os.getpid()}\n")
+        lock.flush()
+        yield
+
+
 def build(name: str, flavor: str | None = None, log: Log = _stderr_log) -> Path:
     """Build afresh; store it if its identity is new, else prove it equal to the stored build."""
     p = plan(name, flavor)
-    images_dir().mkdir(parents=True, exist_ok=True)
+    with _one_build_at_a_time(p, log):
+        return _build(p, log)
+
+
+def _build(p: Plan, log: Log) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{p.store.name}-", dir=images_dir()))
     try:
         work = tmp / "work"
@@ -262,8 +289,13 @@ def ensure(name: str, flavor: str | None = None, log: Log = _stderr_log) -> Path
     hit = cached(p)
     if hit:
         return hit
-    log(f"no cached image {p.store.name}: building it")
-    return build(name, flavor, log)
+    with _one_build_at_a_time(p, log):
+        hit = cached(p)  # built by the process this one waited for
+        if hit:
+            log(f"{p.store.name}: built meanwhile by the process this one waited for")
+            return hit
+        log(f"no cached image {p.store.name}: building it")
+        return _build(p, log)
 
 
 def final_line(name: str, store: Path) -> str:

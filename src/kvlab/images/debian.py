@@ -316,8 +316,11 @@ def ensure_debs(defn: Definition, work: Path, log: Log) -> dict[str, Path]:
                     + repin_command(defn.root)
                 )
             dest = cache / f"{sha}.deb"
-            shutil.move(str(deb), dest.with_suffix(".part"))
-            os.replace(dest.with_suffix(".part"), dest)
+            # The cache is shared by every image's build, and two may run at once (make test
+            # builds its images side by side): each stages under a name of its own.
+            part = dest.with_suffix(f".{os.getpid()}.part")
+            shutil.move(str(deb), part)
+            os.replace(part, dest)
             have[name] = dest
         absent = sorted(set(missing) - set(have))
         if absent:
