@@ -27,9 +27,10 @@ def serving_image(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """The CPU serving image, built in the background from the tier's start when a collected test
     needs it and no build of its inputs is cached: niced on the first core beside the engines it
     takes longer than the tests before it (20 min, cold), which is why test_container_engine.py
-    runs last (pytest_collection_modifyitems). Yields `wait`, which that test's fixture calls before
-    it loads the image; a build still running at the session's end is interrupted (its own
-    clean-up removes its work folder) and then killed, by its process group."""
+    runs last (pytest_collection_modifyitems). Under `make test` its build began in the unit tier
+    (scripts/test-tiers); the `ensure` here then waits for that one. Yields `wait`, which that
+    test's fixture calls before it loads the image; a build still running at the session's end is
+    interrupted (its own clean-up removes its work folder) and then killed, by its process group."""
     needs = any(_needs_image(item) for item in request.session.items)
     proc = None
     if needs and build.cached(build.plan("serve", "cpu")) is None:
