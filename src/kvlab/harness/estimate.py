@@ -16,7 +16,6 @@ from kvlab.harness.sessions import (
     GeneratorSpec,
     WorkloadSpec,
     agent_max_prompt_tokens,
-    generator_max_prompt_tokens,
 )
 from kvlab.planner.geometry import Geometry
 from kvlab.planner.node import PRESETS as node_presets
@@ -42,6 +41,11 @@ class CostModel:
     def prefill(self, n: int) -> float:
         assert self.geometry is not None
         return self.curve.time(self.geometry, n)
+
+    def extend(self, start: int, n: int) -> float:
+        """Computing tokens start..n on top of a context of `start` tokens already in the cache."""
+        assert self.geometry is not None
+        return self.curve.time(self.geometry, n, start)
 
     def restore(self, n: int, kv_bytes_per_token: int) -> float:
         g = self.geometry
@@ -90,19 +94,28 @@ COST = {
 ENGINE_STOP_S = 5.0
 
 
-def _agents(cm: CostModel, wl: WorkloadSpec, cached: bool) -> float:
+def _agents(cm: CostModel, wl: WorkloadSpec, kv_bytes_per_token: int, cached: bool) -> float:
+    """Prefill serializes on the one engine; decode and think time overlap between agents.
+    A generated agent's first turn is computed in every setup; each returning turn then computes
+    its new tokens (a tool's output, the previous answer) on top of its context, restored
+    (`cached`) or computed again. Checked against measured cells in tests/unit/test_harness_campaign.py."""
     n = wl.agents
     if isinstance(wl.source, GeneratorSpec):
         g = wl.source
-        top = generator_max_prompt_tokens(g)
-        mean_new = (
-            g.tool_output_tokens[0] + g.tool_output_tokens[1] + g.assistant_tokens[0] + g.assistant_tokens[1]
-        ) / 2
-        per_turn_prefill = cm.prefill(int(mean_new)) if cached else cm.prefill(top // 2) * 1.0
-        out = (g.output_tokens[0] + g.output_tokens[1]) / 2
-        think = (g.think_time_s[0] + g.think_time_s[1]) / 2
-        # prefill serializes on the one engine; decode and think time overlap between agents
-        return n * g.turns * per_turn_prefill + g.turns * (out * cm.decode_s_per_token + think)
+        reply = g.output_tokens if g.answers == "engine" else g.assistant_tokens
+        new = (sum(g.tool_output_tokens) + sum(reply)) / 2
+        context = g.system_tokens + g.first_user_tokens
+        per_agent = cm.prefill(context)
+        for _turn in range(1, g.turns):
+            grown = int(context + new)
+            if cached:
+                per_agent += cm.extend(int(context), grown) + cm.restore(int(context), kv_bytes_per_token)
+            else:
+                per_agent += cm.prefill(grown)
+            context += new
+        out = sum(g.output_tokens) / 2
+        think = sum(g.think_time_s) / 2
+        return n * per_agent + g.turns * (out * cm.decode_s_per_token + think)
     m = wl.source
     top = agent_max_prompt_tokens(m)
     return m.limit * (
@@ -138,4 +151,4 @@ def step_seconds(cm: CostModel, step: Step, kv_bytes_per_token: int, cached: boo
         )
         return per + (spec.rounds - 1) * hit
     assert isinstance(spec, AgentsSpec) and step.workload is not None
-    return _agents(cm, step.workload, cached)
+    return _agents(cm, step.workload, kv_bytes_per_token, cached)
