@@ -93,26 +93,27 @@ class ManagedProcess:
         return info.si_status if info else None
 
     def wait_ready(self, timeout_s: float, progress: bool = False) -> float:
-        """Wait until the process serves; returns seconds waited."""
+        """Wait until the process serves; returns seconds waited. A start that failed is stopped
+        with a short grace (FAILED_START_GRACE_S): it has nothing to finish."""
         t0 = time.monotonic()
         last_note = t0
         while True:
             if not self.alive():
                 code = self.exit_code()
-                self.stop()
+                self.stop(FAILED_START_GRACE_S)
                 raise EngineError(
                     f"{self.name} exited with code {code} before it was ready; log {self.log_path}:\n"
                     f"{log_tail(self.log_path)}"
                 )
             if _start_failed(self.log_path):
                 # vLLM's API server can outlive a failed engine core: do not wait it out.
-                self.stop()
+                self.stop(FAILED_START_GRACE_S)
                 raise EngineError(f"{self.name} failed to start; log {self.log_path}:\n{log_tail(self.log_path, 60)}")
             if self._ready():
                 return time.monotonic() - t0
             now = time.monotonic()
             if now - t0 > timeout_s:
-                self.stop()
+                self.stop(FAILED_START_GRACE_S)
                 raise EngineError(
                     f"{self.name} not ready after {timeout_s:.0f} s; log {self.log_path}:\n{log_tail(self.log_path)}"
                 )
@@ -158,6 +159,10 @@ class ManagedProcess:
 
 
 _START_FAILURES = (b"EngineCore failed to start", b"Engine core initialization failed")
+# vLLM defers SIGTERM while it starts, so stopping a start that failed waited out stop()'s whole
+# 20 s grace (20 of the 55 s in which a bad connector setting reached the user); such a process
+# has nothing to finish.
+FAILED_START_GRACE_S = 2.0
 
 
 def _start_failed(log_path: Path) -> bool:
