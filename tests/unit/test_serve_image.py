@@ -81,25 +81,57 @@ def test_a_subtree_layer_carries_its_parents_and_skip_leaves_a_subtree_out(tmp_p
         assert t.getnames() == ["usr", "usr/bin", "usr/bin/python3"]
 
 
-def test_the_archive_indexes_a_manifest_whose_digest_is_its_bytes(tmp_path: Path):
+def archive(tmp_path: Path) -> tuple[Path, dict, oci.Layer, oci.Layer]:
+    """A two-layer archive: usr/bin from a tar file, usr/lib written from its tree."""
     tree(tmp_path / "r", EPOCH)
-    digest, size = oci.write_layer(tmp_path / "r", tmp_path / "l.tar", EPOCH)
-    layer = oci.Layer(tmp_path / "l.tar", digest, size, "all")
-    out = oci.write_archive(
-        [layer], tmp_path / "img.tar", EPOCH, {"Cmd": ["python3"]}, "kvlab-serve:cpu", tmp_path / "w"
-    )
-    layout = tmp_path / "w/oci-layout"
-    index = json.loads((layout / "index.json").read_text())
-    man = index["manifests"][0]
-    assert man["digest"] == out["manifest"] and man["annotations"][oci.REF_NAME] == "kvlab-serve:cpu"
-    blob = (layout / "blobs/sha256" / out["manifest"].removeprefix("sha256:")).read_bytes()
-    assert hashlib.sha256(blob).hexdigest() == out["manifest"].removeprefix("sha256:")
-    manifest = json.loads(blob)
-    cfg = json.loads((layout / "blobs/sha256" / out["config"].removeprefix("sha256:")).read_bytes())
-    assert cfg["rootfs"]["diff_ids"] == [f"sha256:{digest}"] and cfg["created"] == "2026-01-01T00:00:00Z"
-    assert manifest["layers"][0]["mediaType"] == oci.LAYER_MEDIA_TYPE
-    with tarfile.open(tmp_path / "img.tar") as t:
-        assert t.getnames()[:1] == ["blobs"] and "index.json" in t.getnames() and "oci-layout" in t.getnames()
+    base = oci.file_layer(tmp_path / "r", tmp_path / "base.tar", EPOCH, "base", skip=lambda rel: rel == "usr/lib")
+    lib = oci.tree_layer(tmp_path / "r", EPOCH, "lib", ("usr/lib",))
+    out = tmp_path / "img.tar"
+    return out, oci.write_archive([base, lib], out, EPOCH, {"Cmd": ["python3"]}, "kvlab-serve:cpu"), base, lib
+
+
+def test_the_archive_indexes_a_manifest_whose_digest_is_its_bytes(tmp_path: Path):
+    img, out, base, lib = archive(tmp_path)
+    lib_tar = tmp_path / "lib.tar"
+    assert oci.write_layer(tmp_path / "r", lib_tar, EPOCH, subtrees=("usr/lib",)) == (lib.digest, lib.size)
+    with tarfile.open(img) as t:
+        names = t.getnames()
+        read = lambda name: t.extractfile(name).read()  # noqa: E731
+        index = json.loads(read("index.json"))
+        man = index["manifests"][0]
+        assert man["digest"] == out["manifest"] and man["annotations"][oci.REF_NAME] == "kvlab-serve:cpu"
+        blob = read("blobs/sha256/" + out["manifest"].removeprefix("sha256:"))
+        assert hashlib.sha256(blob).hexdigest() == out["manifest"].removeprefix("sha256:")
+        manifest = json.loads(blob)
+        cfg = json.loads(read("blobs/sha256/" + out["config"].removeprefix("sha256:")))
+        # each layer's blob is its tar, whether it was a file or written from its tree
+        assert read(f"blobs/sha256/{base.digest}") == (tmp_path / "base.tar").read_bytes()
+        assert read(f"blobs/sha256/{lib.digest}") == lib_tar.read_bytes()
+    assert cfg["rootfs"]["diff_ids"] == [f"sha256:{base.digest}", f"sha256:{lib.digest}"]
+    assert cfg["created"] == "2026-01-01T00:00:00Z"
+    assert [x["mediaType"] for x in manifest["layers"]] == [oci.LAYER_MEDIA_TYPE] * 2
+    assert names[:2] == ["blobs", "blobs/sha256"] and names[-2:] == ["index.json", "oci-layout"]
+
+
+def test_the_archive_is_the_tar_of_its_oci_layout_byte_for_byte(tmp_path: Path):
+    """The archive is written by hand, a layer streamed into it: it must be what tarfile writes
+    for the same OCI layout on disk (root's files at the epoch, 0755 folders, 0644 files)."""
+    img, *_ = archive(tmp_path)
+    layout = tmp_path / "layout"
+    with tarfile.open(img) as t:
+        t.extractall(layout, filter="fully_trusted")
+    for dirpath, dirs, files in os.walk(layout):
+        for n in [*dirs, *files]:
+            os.chown(Path(dirpath) / n, 0, 0)
+    assert oci.write_layer(layout, tmp_path / "again.tar", EPOCH)[0] == hashlib.sha256(img.read_bytes()).hexdigest()
+
+
+def test_a_tree_layer_changed_after_it_was_measured_stops_the_archive(tmp_path: Path):
+    tree(tmp_path / "r", EPOCH)
+    lib = oci.tree_layer(tmp_path / "r", EPOCH, "lib", ("usr/lib",))
+    (tmp_path / "r/usr/lib/c.py").write_text("written by a later step\n")
+    with pytest.raises(oci.LayerChanged, match="layer 'lib' changed after it was measured"):
+        oci.write_archive([lib], tmp_path / "img.tar", EPOCH, {}, "kvlab-serve:cpu")
 
 
 def test_cuda_lock_holds_the_lab_venvs_engine_for_python_311():

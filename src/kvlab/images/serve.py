@@ -15,8 +15,8 @@ Three layers, by how often they change:
    this layer's bytes.
 
 Wheels come from pip's configured index and are kept by hash in cache_dir()/wheels/<sha256>/, so a
-rebuild does not need the index to still have them. kvlab.images.oci writes the layers and the
-archive; the digest a node checks after `podman load` is the manifest's (meta["manifest_digest"]).
+rebuild does not need the index to still have them. kvlab.images.oci measures the layers as each
+is done and writes them into the archive, from the rootfs, at the end; the digest a node checks after `podman load` is the manifest's (meta["manifest_digest"]).
 """
 
 from __future__ import annotations
@@ -241,10 +241,10 @@ def build(flavor: str, work: Path, log: Log) -> Built:
                 shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         layers = []
         skip_py = lambda rel: rel in (SITE, CONNECTOR_SITE, "opt/kvlab")  # noqa: E731
-        t = out / "layer-base.tar"
-        digest, size = oci.write_layer(rootfs, t, epoch, skip=skip_py)
-        layers.append(oci.Layer(t, digest, size, "base: Debian " + defn.release))
-        log(f"base layer sha256:{digest[:16]} {size >> 20} MiB")
+        # a file: the steps below write in its /tmp and /usr/local (the larger layers after it
+        # are written into the archive from their trees, which nothing changes once they are done)
+        layers.append(oci.file_layer(rootfs, out / "layer-base.tar", epoch, "base: Debian " + defn.release, skip_py))
+        log(f"base layer sha256:{layers[-1].digest[:16]} {layers[-1].size >> 20} MiB")
 
         # the Python environment, inside the rootfs
         stage = rootfs / "tmp" / "kvlab-build"
@@ -265,10 +265,8 @@ def build(flavor: str, work: Path, log: Log) -> Built:
         log("environment: compileall --invalidation-mode unchecked-hash (one process, sorted)")
         _chroot(rootfs, f"python3 -S -m compileall -q -f -j 1 --invalidation-mode unchecked-hash /{SITE} >/dev/null || true\n",
                 log_file)  # fmt: skip
-        t = out / "layer-python.tar"
-        digest, size = oci.write_layer(rootfs, t, epoch, subtrees=(SITE,))
-        layers.append(oci.Layer(t, digest, size, f"python: {lock_file.relative_to(paths.repo_root())}"))
-        log(f"python layer sha256:{digest[:16]} {size >> 20} MiB")
+        layers.append(oci.tree_layer(rootfs, epoch, f"python: {lock_file.relative_to(paths.repo_root())}", (SITE,)))
+        log(f"python layer sha256:{layers[-1].digest[:16]} {layers[-1].size >> 20} MiB")
 
         # kvlab-connector, on its own
         src = stage / "connector"
@@ -281,19 +279,20 @@ def build(flavor: str, work: Path, log: Log) -> Built:
             f"python3 -S -m compileall -q -f -j 1 --invalidation-mode unchecked-hash /{CONNECTOR_SITE} >/dev/null\n",
             log_file,
         )
-        t = out / "layer-connector.tar"
-        digest, size = oci.write_layer(rootfs, t, epoch, subtrees=(CONNECTOR_SITE,))
-        layers.append(oci.Layer(t, digest, size, "kvlab-connector"))
-        log(f"connector layer sha256:{digest[:16]} {size >> 10} KiB")
+        layers.append(oci.tree_layer(rootfs, epoch, "kvlab-connector", (CONNECTOR_SITE,)))
+        log(f"connector layer sha256:{layers[-1].digest[:16]} {layers[-1].size >> 10} KiB")
 
         archive = out / ARCHIVE
         ref = f"kvlab-serve:{flavor}"
-        digests = oci.write_archive(
-            layers, archive, epoch, {"Env": [f"{k}={v}" for k, v in IMAGE_ENV.items()], "Cmd": ["python3"],
-                                     "WorkingDir": "/"}, ref, work,
-        )  # fmt: skip
-        for layer in layers:
-            layer.path.unlink()
+        log(f"archive: {len(layers)} layers, {sum(la.size for la in layers) >> 20} MiB, written from the tree")
+        try:
+            digests = oci.write_archive(
+                layers, archive, epoch, {"Env": [f"{k}={v}" for k, v in IMAGE_ENV.items()], "Cmd": ["python3"],
+                                         "WorkingDir": "/"}, ref,
+            )  # fmt: skip
+        except oci.LayerChanged as e:
+            raise ImageError(f"{e}: a later step of the build wrote into that layer's folders") from e
+        (out / "layer-base.tar").unlink()
         components = list(tree.components)
         lock = parse_wheel_lock(lock_file.read_text())
         components += [
@@ -312,4 +311,3 @@ def build(flavor: str, work: Path, log: Log) -> Built:
         debian.unmount_under(work)
         shutil.rmtree(work / "rootfs", ignore_errors=True)
         shutil.rmtree(work / "wheel-download", ignore_errors=True)
-        shutil.rmtree(work / "oci-layout", ignore_errors=True)
