@@ -9,8 +9,11 @@ would start, argument for argument and variable for variable.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +60,22 @@ def run_plan(inventory: Path | str, out: Path, *extra: str) -> Path:
     assert proc.returncode == 0, (
         f"scripts/plan {inventory} failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     )
+    return out
+
+
+def shared_plan(tmp_path_factory: pytest.TempPathFactory, name: str, inventory: str, *extra: str) -> Path:
+    """scripts/plan rendered once per test run, whichever pytest-xdist worker asks first: the
+    workers share their base temp's parent, and a lock there makes the others wait for the first
+    rendering (~35 s of a core each) instead of making their own. Read it, never write."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out, done = shared / f"plan-{name}", shared / f"plan-{name}.done"
+    with (shared / f"plan-{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # a rendering that failed half-way
+            run_plan(inventory, out, *extra)
+            done.touch()
     return out
 
 

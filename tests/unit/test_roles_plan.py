@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_lab_engine_cmdline import ROOT, read_unit, run_plan, unit_file, unit_process
+from test_lab_engine_cmdline import ROOT, read_unit, shared_plan, unit_file, unit_process
 
 from kvlab import inventory
 from kvlab.setups import registry as setups
@@ -89,16 +89,12 @@ def lab_params(host: str) -> setups.EngineParams:
     )
 
 
-_lab_plans: list[Path] = []
-
-
 @pytest.fixture(scope="session")
 def lab_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The lab's plan, rendered once per session: every module that imports this fixture gets a
-    fixture of its own from pytest, so the rendering itself is kept here (read it, never write)."""
-    if not _lab_plans:
-        _lab_plans.append(run_plan("lab", tmp_path_factory.mktemp("plan") / "lab"))
-    return _lab_plans[0]
+    """The lab's plan, rendered once per test run (kvlab's unit tier runs on two workers, and
+    every module that imports this fixture gets a fixture of its own: the rendering is shared on
+    disk). Read it, never write."""
+    return shared_plan(tmp_path_factory, "lab", "lab")
 
 
 CASES = [(h, s) for h in HOSTS for s in group_vars("gpu_nodes")["vllm_server_setups"]]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_lab_engine_cmdline import ROOT, read_unit, run_plan, unit_file, unit_process
-from test_roles_plan import lab_rendered
+from test_roles_plan import lab_plan, lab_rendered  # noqa: F401  (lab_plan: the lab's plan, rendered once)
 
 pytestmark = pytest.mark.unit
 
@@ -45,12 +45,13 @@ def build_store(folder: Path, manifest_digest: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def plans(tmp_path_factory: pytest.TempPathFactory, lab_plan: Path) -> dict[str, Path]:  # noqa: F811
+    """The node's plan in each runtime: the venv's is the lab's plan (venv is the default)."""
     tmp = tmp_path_factory.mktemp("serve-runtime")
     archive = build_store(tmp / "store", DIGEST)
     image = ("-e", "vllm_server_runtime=image", "-e", f"vllm_server_image_archive={archive}")
     return {
-        "venv": plan_h200(tmp / "venv"),
+        "venv": lab_plan / HOST,
         "image": plan_h200(tmp / "image", *image, "-e", f"vllm_server_image_digest={DIGEST}"),
     }
 
