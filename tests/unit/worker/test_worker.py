@@ -244,6 +244,38 @@ def test_io_threads_run_on_every_cpu_of_the_process() -> None:
     assert seen == [process_cpus()] and seen[0] == allowed
 
 
+def _io_thread_cpus_in_a_bound_process(core: int, out) -> None:  # noqa: ANN001
+    import os
+
+    from kvlab_connector.io.posix import PosixEngine
+
+    for tid in os.listdir("/proc/self/task"):  # vLLM's CPU worker: every thread on the forward pass's cores
+        os.sched_setaffinity(int(tid), {core})
+    engine = PosixEngine(threads=1)
+    out.put(sorted(engine.submit(os.sched_getaffinity, 0).result(timeout=10)))
+    engine.shutdown()
+
+
+def test_io_threads_in_a_worker_process_bound_to_one_core_also_run_where_its_engine_may() -> None:
+    """vLLM's CPU worker is a process of its own, and every one of its threads is bound to the
+    forward pass's cores (kvlab binds every core but the first): the I/O threads must also get
+    the cores of the engine process that started it, or they share the forward pass's core."""
+    import multiprocessing
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs a process allowed on two CPUs")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_io_thread_cpus_in_a_bound_process, args=(max(allowed), out))
+    child.start()
+    try:
+        assert out.get(timeout=60) == sorted(allowed)
+    finally:
+        child.join(timeout=30)
+
+
 # ---- tail objects, repair, finished requests (the scheduler side plans them) -------------
 def settle(w: WorkerSide) -> None:
     """Let the I/O threads finish what they were handed (removals included)."""

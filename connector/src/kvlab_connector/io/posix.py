@@ -45,24 +45,33 @@ def supports_o_direct(directory: str | os.PathLike) -> bool:
 
 
 def process_cpus() -> set[int]:
-    """Every CPU that some thread of this process may run on."""
+    """Every CPU that some thread of this process, or the process that started it, may run on.
+    The parent counts because vLLM's CPU worker is a process of its own whose every thread is
+    bound to the forward pass's cores (kvlab binds every core but the first), while the engine
+    process that started it still runs on the cores the engine was given."""
     cpus: set[int] = set()
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return cpus
+        tids = []
     for tid in tids:
         try:
             cpus |= os.sched_getaffinity(int(tid))
         except (OSError, ValueError):
             pass
+    try:
+        cpus |= os.sched_getaffinity(os.getppid())
+    except OSError:
+        pass
     return cpus
 
 
 def spread_over_process_cpus() -> None:
-    """Let the calling thread run on every CPU of the process. vLLM's CPU engine binds
-    its main thread to one core (libgomp's GOMP_CPU_AFFINITY) and a thread inherits its
-    creator's mask: I/O threads would otherwise all share the forward pass's core."""
+    """Let the calling thread run on every CPU of the process and its parent. vLLM's CPU
+    engine binds its threads to the forward pass's cores (libgomp's GOMP_CPU_AFFINITY) and a
+    thread inherits its creator's mask: I/O threads would otherwise all share the forward
+    pass's core, and on two cores leave the other one idle (a restore of 30K tokens took
+    1.15x ExampleConnector's)."""
     cpus = process_cpus()
     try:
         if cpus and cpus != os.sched_getaffinity(0):
