@@ -63,18 +63,18 @@ def run_plan(inventory: Path | str, out: Path, *extra: str) -> Path:
     return out
 
 
-def shared_plan(tmp_path_factory: pytest.TempPathFactory, name: str, inventory: str, *extra: str) -> Path:
+def shared_plan(tmp_path_factory: pytest.TempPathFactory, inventory: str) -> Path:
     """scripts/plan rendered once per test run, whichever pytest-xdist worker asks first: the
     workers share their base temp's parent, and a lock there makes the others wait for the first
     rendering (~35 s of a core each) instead of making their own. Read it, never write."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    out, done = shared / f"plan-{name}", shared / f"plan-{name}.done"
-    with (shared / f"plan-{name}.lock").open("w") as lock:
+    out, done = shared / f"plan-{inventory}", shared / f"plan-{inventory}.done"
+    with (shared / f"plan-{inventory}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
             shutil.rmtree(out, ignore_errors=True)  # a rendering that failed half-way
-            run_plan(inventory, out, *extra)
+            run_plan(inventory, out)
             done.touch()
     return out
 

@@ -94,7 +94,7 @@ def lab_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The lab's plan, rendered once per test run (kvlab's unit tier runs on two workers, and
     every module that imports this fixture gets a fixture of its own: the rendering is shared on
     disk). Read it, never write."""
-    return shared_plan(tmp_path_factory, "lab", "lab")
+    return shared_plan(tmp_path_factory, "lab")
 
 
 CASES = [(h, s) for h in HOSTS for s in group_vars("gpu_nodes")["vllm_server_setups"]]

@@ -56,20 +56,25 @@ def _walk(root: Path, rel: str, skip: Callable[[str], bool]) -> Iterator[str]:
 
 
 class _Sink(io.RawIOBase):
-    """Where a tar goes: `out` (or nowhere), hashed and counted on the way."""
+    """Where a tar goes: `out` (or nowhere), counted and, unless hashed=False, hashed on the way."""
 
-    def __init__(self, out=None):
-        self.out, self.sha256, self.size = out, hashlib.sha256(), 0
+    def __init__(self, out=None, hashed: bool = True):
+        self.out, self.sha256, self.size = out, hashlib.sha256() if hashed else None, 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        self.sha256.update(b)
+        if self.sha256 is not None:
+            self.sha256.update(b)
         self.size += len(b)
         if self.out is not None:
             self.out.write(b)
         return len(b)
+
+
+def _keep_all(rel: str) -> bool:
+    return False
 
 
 def _write_tree(
@@ -129,7 +134,7 @@ def write_layer(
     out: Path,
     epoch: int,
     subtrees: tuple[str, ...] = ("",),
-    skip: Callable[[str], bool] = lambda rel: False,
+    skip: Callable[[str], bool] = _keep_all,
 ) -> tuple[str, int]:
     """Write the files of root below `subtrees` (with their parent folders) as a layer tar;
     returns (sha256 hex, size). `skip(rel)` leaves a path and everything below it out."""
@@ -137,10 +142,6 @@ def write_layer(
         sink = _Sink(f)
         _write_tree(root, sink, epoch, subtrees, skip)
     return sink.sha256.hexdigest(), sink.size
-
-
-def _keep_all(rel: str) -> bool:
-    return False
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def write_archive(layers: list[Layer], out: Path, epoch: int, config: dict, ref_
     files += [(f"blobs/sha256/{d}", blobs[d]) for d in sorted(blobs)]
     files += [("index.json", index), ("oci-layout", canonical_json({"imageLayoutVersion": "1.0.0"}))]
     with out.open("wb") as f:
-        sink = _Sink(f)
+        sink = _Sink(f, hashed=False)  # the store hashes the archive once it is written (kvlab.images.build)
         for name, data in files:
             if data is None:
                 _entry(sink, name, 0, epoch)

@@ -16,7 +16,8 @@ Three layers, by how often they change:
 
 Wheels come from pip's configured index and are kept by hash in cache_dir()/wheels/<sha256>/, so a
 rebuild does not need the index to still have them. kvlab.images.oci measures the layers as each
-is done and writes them into the archive, from the rootfs, at the end; the digest a node checks after `podman load` is the manifest's (meta["manifest_digest"]).
+is done and writes them into the archive, from the rootfs, at the end; the digest a node checks
+after `podman load` is the manifest's (meta["manifest_digest"]).
 """
 
 from __future__ import annotations
@@ -243,8 +244,9 @@ def build(flavor: str, work: Path, log: Log) -> Built:
         skip_py = lambda rel: rel in (SITE, CONNECTOR_SITE, "opt/kvlab")  # noqa: E731
         # a file: the steps below write in its /tmp and /usr/local (the larger layers after it
         # are written into the archive from their trees, which nothing changes once they are done)
-        layers.append(oci.file_layer(rootfs, out / "layer-base.tar", epoch, "base: Debian " + defn.release, skip_py))
-        log(f"base layer sha256:{layers[-1].digest[:16]} {layers[-1].size >> 20} MiB")
+        base = oci.file_layer(rootfs, out / "layer-base.tar", epoch, "base: Debian " + defn.release, skip_py)
+        layers.append(base)
+        log(f"base layer sha256:{base.digest[:16]} {base.size >> 20} MiB")
 
         # the Python environment, inside the rootfs
         stage = rootfs / "tmp" / "kvlab-build"
@@ -292,7 +294,8 @@ def build(flavor: str, work: Path, log: Log) -> Built:
             )  # fmt: skip
         except oci.LayerChanged as e:
             raise ImageError(f"{e}: a later step of the build wrote into that layer's folders") from e
-        (out / "layer-base.tar").unlink()
+        assert base.tar is not None
+        base.tar.unlink()
         components = list(tree.components)
         lock = parse_wheel_lock(lock_file.read_text())
         components += [
