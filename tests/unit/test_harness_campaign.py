@@ -186,3 +186,20 @@ def test_the_estimate_counts_each_lifes_warm_up_and_the_recompute_reference() ->
         for a, b in zip(steps[setup], longer[setup], strict=True):
             if a.what.startswith(("restore: compute", "restore: restart")):
                 assert b.est_s > a.est_s, a.what
+
+
+def test_an_agents_step_sends_the_turns_given_for_its_concurrency() -> None:
+    d = base()
+    a = d["scenarios"]["agents"]
+    d["scenarios"] = {"agents": a}
+    a["concurrency"] = [1, 2]
+    a["source"]["generator"]["turns"] = {1: 5, 2: 3}
+    c = campaign.parse(d)
+    steps = [s for s in compile_campaign(c).setups[0].steps if s.kind == "agents"]
+    assert {s.arg: s.workload.source.turns for s in steps} == {1: 5, 2: 3}
+    a["source"]["generator"]["turns"] = 3
+    assert c.max_prompt_tokens() > campaign.parse(d).max_prompt_tokens()  # the 5-turn step's last prompt
+    a["source"]["generator"]["turns"] = {1: 5}
+    assert "source.generator.turns gives turns for [1] agents and concurrency is [1, 2]" in error_of(d)
+    a["source"]["generator"]["turns"] = {1: 5, 2: 1}
+    assert "scenarios.agents.source.generator.turns" in error_of(d) and "at least 2 turns" in error_of(d)

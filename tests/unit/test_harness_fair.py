@@ -236,8 +236,8 @@ GEN = dict(turns=3, system_tokens=40, first_user_tokens=8, tool_output_tokens=(1
 
 
 def test_engine_answers_draw_the_same_sessions_as_seeded_ones_less_the_replies() -> None:
-    seeded = coding_agent_sessions(GeneratorSource(**GEN).spec(), 2, seed=1, step="s")
-    real = coding_agent_sessions(GeneratorSource(**GEN, answers="engine").spec(), 2, seed=1, step="s")
+    seeded = coding_agent_sessions(GeneratorSource(**GEN).spec(2), 2, seed=1, step="s")
+    real = coding_agent_sessions(GeneratorSource(**GEN, answers="engine").spec(2), 2, seed=1, step="s")
     for sa, ra in zip(seeded.agents, real.agents, strict=True):
         assert ra[0] == sa[0]  # the first turn has no answer to carry
         for s, r in zip(sa[1:], ra[1:], strict=True):
@@ -248,7 +248,7 @@ def test_engine_answers_draw_the_same_sessions_as_seeded_ones_less_the_replies()
 def test_each_next_turn_carries_the_tokens_the_engine_generated(engine: FakeEngine) -> None:
     src = GeneratorSource(**GEN, answers="engine")
     sc = campaign.AgentsScenario(concurrency=[1], source={"generator": src.model_dump()})
-    wl = coding_agent_sessions(src.spec(), 1, seed=1, step="s")
+    wl = coding_agent_sessions(src.spec(1), 1, seed=1, step="s")
     recs: list[dict] = []
     scenarios.agents(target("kvlab", recs), agents_spec(sc), 1, wl)
     turns = sorted((r for r in recs if r.get("scenario") == "agents" and r["kind"] == "request"),
@@ -274,7 +274,7 @@ def test_a_turn_with_no_answer_to_carry_is_a_recorded_error(engine: FakeEngine, 
     src = GeneratorSource(**GEN, answers="engine")
     sc = campaign.AgentsScenario(concurrency=[1], source={"generator": src.model_dump()})
     recs: list[dict] = []
-    scenarios.agents(target("kvlab", recs), agents_spec(sc), 1, coding_agent_sessions(src.spec(), 1, seed=1, step="s"))
+    scenarios.agents(target("kvlab", recs), agents_spec(sc), 1, coding_agent_sessions(src.spec(1), 1, seed=1, step="s"))
     errors = [r["error"] for r in recs if r["kind"] == "request"]
     assert errors[0].startswith("ConnectionError") and all("no answer to carry" in e for e in errors[1:])
     assert len(errors) == 3 and summarize(recs, ["kvlab"]).setups["kvlab"].agents["1"].errors == 3

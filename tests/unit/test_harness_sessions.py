@@ -13,7 +13,7 @@ from kvlab.harness.sessions import (
 )
 
 GEN = GeneratorSource(turns=4, system_tokens=100, first_user_tokens=10, tool_output_tokens=(20, 40),
-                      assistant_tokens=(5, 10), output_tokens=(3, 6), think_time_s=(0.1, 0.2)).spec()
+                      assistant_tokens=(5, 10), output_tokens=(3, 6), think_time_s=(0.1, 0.2)).spec(3)
 
 
 def test_token_ids_are_reproducible_from_the_key() -> None:

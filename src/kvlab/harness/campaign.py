@@ -142,6 +142,14 @@ class AgentsScenario(Strict):
             raise ValueError("every concurrency must be >= 1")
         return v
 
+    @model_validator(mode="after")
+    def _turns_per_concurrency(self) -> AgentsScenario:
+        g = self.source.generator
+        if g is not None and isinstance(g.turns, dict) and set(g.turns) != set(self.concurrency):
+            raise ValueError(f"source.generator.turns gives turns for {sorted(g.turns)} agents and concurrency is "
+                             f"{self.concurrency}: give one number per concurrency, or one number for all")
+        return self
+
 
 class Scenarios(Strict):
     restore: RestoreScenario | None = None
@@ -268,7 +276,7 @@ class Campaign(Strict):
         if s.sweep:
             n = max(n, *s.sweep.lengths)
         if s.agents:
-            n = max(n, agent_max_prompt_tokens(s.agents.source.spec(base)))
+            n = max(n, *(agent_max_prompt_tokens(s.agents.source.spec(a, base)) for a in s.agents.concurrency))
         return n
 
 

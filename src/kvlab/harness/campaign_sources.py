@@ -19,7 +19,11 @@ from kvlab.harness.sessions import GeneratorSpec, MooncakeSpec, SourceSpec
 class GeneratorSource(Strict):
     """Seeded coding-agent-like sessions: a growing context, tool outputs, think time."""
 
-    turns: int = Field(6, ge=2)
+    turns: int | dict[int, int] = Field(
+        6,
+        description="turns each agent sends; or per concurrency ({8: 6, 16: 5, 32: 4}): the more agents, the "
+        "fewer turns each needs for the step's sample of returning turns",
+    )
     system_tokens: int = Field(1024, ge=1)
     first_user_tokens: int = Field(128, ge=1)
     tool_output_tokens: tuple[int, int] = (256, 1024)
@@ -35,6 +39,13 @@ class GeneratorSource(Strict):
         "turn, as an agent framework sends them back",
     )
 
+    @field_validator("turns")
+    @classmethod
+    def _turns(cls, v: int | dict[int, int]) -> int | dict[int, int]:
+        if any(t < 2 for t in (v.values() if isinstance(v, dict) else [v])):
+            raise ValueError("an agent sends at least 2 turns (one returning), got " + repr(v))
+        return v
+
     @field_validator("tool_output_tokens", "assistant_tokens", "output_tokens", "think_time_s")
     @classmethod
     def _range(cls, v: tuple[float, float]) -> tuple[float, float]:
@@ -42,8 +53,17 @@ class GeneratorSource(Strict):
             raise ValueError(f"a range is [low, high] with 0 <= low <= high, got {list(v)}")
         return v
 
-    def spec(self, base: Path | None = None) -> GeneratorSpec:
-        return GeneratorSpec(**self.model_dump())
+    def turns_at(self, agents: int) -> int:
+        if isinstance(self.turns, int):
+            return self.turns
+        if agents not in self.turns:
+            raise ValueError(f"turns gives no number for {agents} agents: add {agents}: <turns> to it, "
+                             "or give one number for every concurrency")
+        return self.turns[agents]
+
+    def spec(self, agents: int) -> GeneratorSpec:
+        """The sessions of a step of `agents` agents."""
+        return GeneratorSpec(**{**self.model_dump(), "turns": self.turns_at(agents)})
 
 
 class MooncakeSource(Strict):
@@ -74,7 +94,9 @@ class AgentSource(Strict):
             raise ValueError("give exactly one of 'generator: {...}' or 'mooncake: {...}'")
         return self
 
-    def spec(self, base: Path | None = None) -> SourceSpec:
-        source = self.generator or self.mooncake
-        assert source is not None
-        return source.spec(base)
+    def spec(self, agents: int, base: Path | None = None) -> SourceSpec:
+        """What a step of `agents` agents replays; `base` resolves a trace's path."""
+        if self.generator is not None:
+            return self.generator.spec(agents)
+        assert self.mooncake is not None
+        return self.mooncake.spec(base)

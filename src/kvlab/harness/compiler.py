@@ -138,9 +138,8 @@ def scenario_steps(c: Campaign, setup: str, name: str, base: Path | None) -> lis
         return sweep_steps(setup, sweep_spec(sc.sweep))
     assert name == "agents" and sc.agents is not None
     a = sc.agents
-    source = a.source.spec(base)
     return agents_steps(
-        setup, agents_spec(a), {n: WorkloadSpec(source, n, c.seed, f"agents-{n}") for n in a.concurrency}
+        setup, agents_spec(a), {n: WorkloadSpec(a.source.spec(n, base), n, c.seed, f"agents-{n}") for n in a.concurrency}
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvlab.harness.sessions import WorkloadSpec
+from kvlab.harness.sessions import GeneratorSpec, WorkloadSpec
 from kvlab.wear import Drives
 
 SCHEMA = "kvlab.plan/1"
@@ -202,8 +202,12 @@ def sweep_steps(setup: str, sw: SweepSpec) -> list[Step]:
 
 
 def agents_steps(setup: str, a: AgentsSpec, workloads: Mapping[int, WorkloadSpec]) -> list[Step]:
+    def what(n: int) -> str:
+        source = workloads[n].source
+        return f"agents: N={n}" + (f", {source.turns} turns each" if isinstance(source, GeneratorSpec) else "")
+
     return [
-        Step(setup, "agents", f"agents: N={n}", scenario="agents", spec=a, arg=n, workload=workloads[n])
+        Step(setup, "agents", what(n), scenario="agents", spec=a, arg=n, workload=workloads[n])
         for n in a.concurrency
     ]
 
