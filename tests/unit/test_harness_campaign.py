@@ -151,14 +151,15 @@ def test_embedded_campaign_is_sized_for_this_machine() -> None:
     assert c.scenarios.restore.setups is None and c.scenarios.restore.warm_repeats >= 5
 
 
-# The load campaign's agents cells as measured (wall seconds; run 20261207-022649-embedded-agents,
-# two cores, `campaigns/embedded-agents.yml` as of that run). Its estimate was 18 / 25 / 38 s for
-# kvlab's cells (0.22-0.45x) and 853 s for the whole campaign, which ran ~40 min: it counted
-# neither the first turns, which every setup computes, nor the context a returning turn extends.
+# The load campaign's agents cells as measured (wall seconds; run 20261207-091348-embedded-agents,
+# two cores, `campaigns/embedded-agents.yml` as of that run: 6 / 5 / 4 turns at N = 8 / 16 / 32).
+# Its estimate was 48 / 69 / 104 s for kvlab's cells and 210 s for baseline's N = 32 (0.77x); an
+# earlier estimate that counted neither the first turns, which every setup computes, nor the
+# context a returning turn extends, was 0.22-0.45x.
 MEASURED_AGENTS_S = {
-    "kvlab": {8: 40.7, 16: 84.8, 32: 175.8},
-    "lmcache-mp": {8: 71.6, 16: 122.4, 32: 245.8},
-    "baseline": {8: 119.8, 16: 248.0, 32: 551.5},
+    "kvlab": {8: 38.9, 16: 65.1, 32: 108.4},
+    "lmcache-mp": {8: 66.2, 16: 94.7, 32: 154.5},
+    "baseline": {8: 117.2, 16: 177.9, 32: 271.6},
 }
 
 
