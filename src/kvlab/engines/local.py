@@ -8,10 +8,12 @@ EngineError with the tail of its log, never a silent hang.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -50,6 +52,7 @@ class ManagedProcess:
     spec: ProcessSpec
     log_path: Path
     popen: subprocess.Popen | None = None
+    ipc_dir: Path | None = None  # this start's VLLM_RPC_BASE_PATH, removed at stop
 
     @property
     def pid(self) -> int | None:
@@ -63,14 +66,22 @@ class ManagedProcess:
             # Readiness is checked on this port: another server there would answer for us.
             raise EngineError(f"{self.name}: port {port} is in use by another process; stop it or choose another port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = os.environ.copy() | self.spec.env
+        # vLLM names its processes' ZMQ sockets in VLLM_RPC_BASE_PATH (default: the temp folder)
+        # and leaves them behind when stopped by a signal, one set per engine life: each start
+        # gets a folder of its own, removed with the process.
+        self.ipc_dir = Path(tempfile.mkdtemp(prefix="kvlab-ipc-"))
+        env = os.environ.copy() | {"VLLM_RPC_BASE_PATH": str(self.ipc_dir)} | self.spec.env
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(self.spec.argv)}\n".encode())
             log.flush()
-            self.popen = subprocess.Popen(
-                list(self.spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )
+            try:
+                self.popen = subprocess.Popen(
+                    list(self.spec.argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            except BaseException:
+                self._remove_ipc_dir()
+                raise
 
     @property
     def port(self) -> int | None:
@@ -156,6 +167,12 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             pass
         self.popen = None
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
 
 _START_FAILURES = (b"EngineCore failed to start", b"Engine core initialization failed")

@@ -1,9 +1,11 @@
 """A start that fails is stopped at once: a real process that says what vLLM says when its engine
-core fails and, as vLLM does while it starts, does not stop on SIGTERM."""
+core fails and, as vLLM does while it starts, does not stop on SIGTERM. Each start's IPC folder
+(vLLM's sockets) goes with its process."""
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,37 @@ def test_a_failed_start_is_killed_after_a_short_grace(tmp_path: Path, monkeypatc
         proc.stop()
     assert waits and waits[0] < 20, f"SIGTERM's grace: {waits} (stop()'s default is 20 s)"
     assert not local.group_alive(pid)  # SIGKILL reached what ignored SIGTERM
+
+
+LEAVES_A_SOCKET = """
+import os, socket, sys, time, uuid
+path = os.path.join(os.environ.get("VLLM_RPC_BASE_PATH", "/nonexistent"), str(uuid.uuid4()))
+s = socket.socket(socket.AF_UNIX)
+s.bind(path)  # as vLLM's ZMQ ipc:// sockets are: a file left behind unless unlinked
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+def test_what_a_process_leaves_in_its_ipc_folder_goes_with_it(tmp_path: Path) -> None:
+    spec = ProcessSpec((sys.executable, "-c", LEAVES_A_SOCKET))
+    first, second = (local.ManagedProcess(f"engine{i}", spec, tmp_path / f"engine{i}.log") for i in (1, 2))
+    try:
+        first.start()
+        second.start()
+        sockets = [_printed_path(p) for p in (first, second)]
+        assert sockets[0].parent != sockets[1].parent  # a folder per start, never the shared temp folder
+        assert all(s.is_socket() for s in sockets)
+    finally:
+        first.stop()
+        second.stop()
+    assert not any(s.parent.exists() for s in sockets)
+
+
+def _printed_path(proc: local.ManagedProcess) -> Path:
+    for _ in range(200):
+        lines = [ln for ln in proc.log_path.read_text().splitlines() if ln.startswith("/")]
+        if lines:
+            return Path(lines[-1])
+        time.sleep(0.05)
+    raise AssertionError(f"{proc.name} printed no socket path:\n{proc.log_path.read_text()}")
