@@ -220,46 +220,53 @@ def test_layout_mismatch_is_refused(tmp_path: Path, bad: str) -> None:
         w.register_kv_caches(kv, BLOCKS)
 
 
-def test_io_threads_run_on_every_cpu_of_the_process() -> None:
-    """vLLM's CPU engine binds its main thread to one core; I/O threads must not inherit it."""
+def test_io_threads_read_on_every_cpu_of_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's CPU engine binds its main thread to one core; a read (a restore the forward pass
+    waits on) must not inherit it from the thread that created the I/O thread."""
     import os
     import threading
 
-    from kvlab_connector.io.posix import PosixEngine, process_cpus
+    from kvlab_connector.io import posix
 
     allowed = os.sched_getaffinity(0)
     if len(allowed) < 2:
         pytest.skip("needs a process allowed on two CPUs")
+    monkeypatch.setattr(posix, "preadv_full", lambda fd, bufs, offset: os.sched_getaffinity(0))
     seen: list[set[int]] = []
 
     def bound_creator() -> None:
         os.sched_setaffinity(0, {min(allowed)})  # as libgomp binds vLLM's main thread
-        engine = PosixEngine(threads=1)
-        seen.append(engine.submit(os.sched_getaffinity, 0).result(timeout=10))
+        engine = posix.PosixEngine(threads=1)
+        seen.append(engine.submit_readv(-1, [], 0).result(timeout=10))
         engine.shutdown()
 
     t = threading.Thread(target=bound_creator)
     t.start()
     t.join()
-    assert seen == [process_cpus()] and seen[0] == allowed
+    assert seen == [posix.process_cpus()] and seen[0] == allowed
 
 
-def _io_thread_cpus_in_a_bound_process(core: int, out) -> None:  # noqa: ANN001
+def _io_job_cpus_in_a_bound_process(core: int, out) -> None:  # noqa: ANN001
     import os
 
-    from kvlab_connector.io.posix import PosixEngine
+    from kvlab_connector.io import posix
 
     for tid in os.listdir("/proc/self/task"):  # vLLM's CPU worker: every thread on the forward pass's cores
         os.sched_setaffinity(int(tid), {core})
-    engine = PosixEngine(threads=1)
-    out.put(sorted(engine.submit(os.sched_getaffinity, 0).result(timeout=10)))
+    posix.preadv_full = lambda fd, bufs, offset: os.sched_getaffinity(0)  # a read that tells where it ran
+    engine = posix.PosixEngine(threads=1)
+    read = lambda: sorted(engine.submit_readv(-1, [], 0).result(timeout=10))  # noqa: E731
+    save = lambda: sorted(engine.submit(os.sched_getaffinity, 0).result(timeout=10))  # noqa: E731
+    out.put([read(), save(), read(), save()])
     engine.shutdown()
 
 
-def test_io_threads_in_a_worker_process_bound_to_one_core_also_run_where_its_engine_may() -> None:
+def test_in_a_worker_process_bound_to_one_core_reads_also_run_where_its_engine_may_and_saves_do_not() -> None:
     """vLLM's CPU worker is a process of its own, and every one of its threads is bound to the
-    forward pass's cores (kvlab binds every core but the first): the I/O threads must also get
-    the cores of the engine process that started it, or they share the forward pass's core."""
+    forward pass's cores (kvlab binds every core but the first). A read (a restore, which the
+    forward pass waits on) also gets the cores of the engine process that started the worker, or
+    it shares the forward pass's core; a save's work, which nothing waits on, stays on the forward
+    pass's cores, or it competes with the API server and the scheduler on the others."""
     import multiprocessing
     import os
 
@@ -268,10 +275,11 @@ def test_io_threads_in_a_worker_process_bound_to_one_core_also_run_where_its_eng
         pytest.skip("needs a process allowed on two CPUs")
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    child = ctx.Process(target=_io_thread_cpus_in_a_bound_process, args=(max(allowed), out))
+    core = max(allowed)
+    child = ctx.Process(target=_io_job_cpus_in_a_bound_process, args=(core, out))
     child.start()
     try:
-        assert out.get(timeout=60) == sorted(allowed)
+        assert out.get(timeout=60) == [sorted(allowed), [core], sorted(allowed), [core]]
     finally:
         child.join(timeout=30)
 
