@@ -53,17 +53,11 @@ class GeneratorSource(Strict):
             raise ValueError(f"a range is [low, high] with 0 <= low <= high, got {list(v)}")
         return v
 
-    def turns_at(self, agents: int) -> int:
-        if isinstance(self.turns, int):
-            return self.turns
-        if agents not in self.turns:
-            raise ValueError(f"turns gives no number for {agents} agents: add {agents}: <turns> to it, "
-                             "or give one number for every concurrency")
-        return self.turns[agents]
-
     def spec(self, agents: int) -> GeneratorSpec:
-        """The sessions of a step of `agents` agents."""
-        return GeneratorSpec(**{**self.model_dump(), "turns": self.turns_at(agents)})
+        """The sessions of a step of `agents` agents (AgentsScenario checks that a mapping of
+        turns names every concurrency)."""
+        turns = self.turns if isinstance(self.turns, int) else self.turns[agents]
+        return GeneratorSpec(**{**self.model_dump(), "turns": turns})
 
 
 class MooncakeSource(Strict):

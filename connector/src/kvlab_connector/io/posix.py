@@ -67,11 +67,11 @@ def process_cpus() -> set[int]:
 
 
 def spread_over_process_cpus() -> None:
-    """Let the calling thread run on every CPU of the process and its parent. vLLM's CPU
-    engine binds its threads to the forward pass's cores (libgomp's GOMP_CPU_AFFINITY) and a
-    thread inherits its creator's mask: I/O threads would otherwise all share the forward
-    pass's core, and on two cores leave the other one idle (a restore of 30K tokens took
-    1.15x ExampleConnector's)."""
+    """Let the calling thread (the load feed) run on every CPU of the process and its parent.
+    vLLM's CPU engine binds its threads to the forward pass's cores (libgomp's
+    GOMP_CPU_AFFINITY) and a thread inherits its creator's mask: a restore's feed would otherwise
+    share the forward pass's core, and on two cores leave the other one idle (a restore of 30K
+    tokens took 1.15x ExampleConnector's). The I/O threads' reads get the same mask per job (_on)."""
     cpus = process_cpus()
     try:
         if cpus and cpus != os.sched_getaffinity(0):
