@@ -55,5 +55,8 @@ PER_DRIVE: tuple[Counter, ...] = (
     Counter("drive_bytes_written", "bytes written to each drive", "store", "kvlab_drive_written_bytes"),
 )
 BY_NAME = {c.name: c for c in COUNTERS}
-# What a worker reports each interval (vLLM's connector stats, campaign records).
-WORKER_REPORTED = tuple(c.name for c in COUNTERS if c.source != "scheduler")
+# What a worker reports each interval (vLLM's connector stats, campaign records): the store's,
+# then its own. WorkerSide.counters() reads them each step with one attrgetter per source.
+STORE_REPORTED = tuple(c.name for c in COUNTERS if c.source == "store")
+WORKER_OWN = tuple(c.name for c in COUNTERS if c.source == "worker")
+WORKER_REPORTED = STORE_REPORTED + WORKER_OWN

@@ -95,7 +95,8 @@ class KvlabConnector(KVConnectorBase_V1):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvlabMetadata)
-        self._worker.save_layer(layer_name, kv_layer, meta.step)
+        if meta.step.saves:  # called for every layer of every step; most steps save nothing
+            self._worker.save_layer(layer_name, kv_layer, meta.step)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

@@ -48,6 +48,8 @@ class Intervals:
         self._empty_reported = False
 
     def next(self, now: dict[str, Any]) -> dict[str, Any] | None:
+        if self._empty_reported and now == self._last:
+            return None  # most steps: one comparison, no interval built
         data = delta(now, self._last)
         self._last = now
         empty = not any(data.values())
