@@ -41,16 +41,17 @@ def test_kvlab_setup_restores_across_a_restart_and_stops_cleanly(tiny_model: Pat
         warm = complete(server.base_url, "tiny", p, max_tokens=4)
         assert warm.cached_tokens == 1024, "after a prefix-cache reset the two chunks come from the drives"
         assert warm.text == first.text
-        pgid, ipc = server.engine.pid, server.engine.ipc_dir
+        pgid, ipc = server.engine.pid, server.engine.temp_dir
         assert ipc is not None and any(f.is_socket() for f in ipc.iterdir()), "vLLM's sockets are in the life's folder"
+        assert any(f.name.startswith("vllm_dist_") for f in ipc.iterdir()), "and torch's rendezvous file"
         server.restart()
         assert group_gone(pgid), "the old engine's process group must be gone after a restart"
-        assert not ipc.exists(), "and its sockets with it"
+        assert not ipc.exists(), "and its files with it"
         cold = complete(server.base_url, "tiny", p, max_tokens=4)
         assert cold.cached_tokens == 1024
         assert cold.text == first.text
     finally:
-        pgid, ipc = server.engine.pid, server.engine.ipc_dir
+        pgid, ipc = server.engine.pid, server.engine.temp_dir
         server.stop()
     assert pgid is None or group_gone(pgid)
     assert ipc is None or not ipc.exists()

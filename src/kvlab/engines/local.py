@@ -7,7 +7,9 @@ EngineError with the tail of its log, never a silent hang.
 
 from __future__ import annotations
 
+import getpass
 import os
+import re
 import shutil
 import signal
 import socket
@@ -52,7 +54,7 @@ class ManagedProcess:
     spec: ProcessSpec
     log_path: Path
     popen: subprocess.Popen | None = None
-    ipc_dir: Path | None = None  # this start's VLLM_RPC_BASE_PATH, removed at stop
+    temp_dir: Path | None = None  # this start's temp folder (see start), removed at stop
 
     @property
     def pid(self) -> int | None:
@@ -66,11 +68,17 @@ class ManagedProcess:
             # Readiness is checked on this port: another server there would answer for us.
             raise EngineError(f"{self.name}: port {port} is in use by another process; stop it or choose another port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # vLLM names its processes' ZMQ sockets in VLLM_RPC_BASE_PATH (default: the temp folder)
-        # and leaves them behind when stopped by a signal, one set per engine life: each start
-        # gets a folder of its own, removed with the process.
-        self.ipc_dir = Path(tempfile.mkdtemp(prefix="kvlab-ipc-"))
-        env = os.environ.copy() | {"VLLM_RPC_BASE_PATH": str(self.ipc_dir)} | self.spec.env
+        # vLLM leaves files in the temp folder at each life's end when stopped by a signal: its
+        # processes' ZMQ sockets (VLLM_RPC_BASE_PATH, default the temp folder) and torch
+        # distributed's rendezvous file (vllm_dist_*): 2,015 and 398 of them had gathered in /tmp
+        # here. Each start gets a temp folder of its own, removed with the process. Torch's
+        # compiled kernels keep their cache where it was, shared by every life.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="kvlab-life-"))
+        env = os.environ.copy() | {
+            "TMPDIR": str(self.temp_dir),
+            "VLLM_RPC_BASE_PATH": str(self.temp_dir),
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or inductor_cache_dir(),
+        } | self.spec.env
         with open(self.log_path, "ab") as log:
             log.write(f"\n=== start {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(self.spec.argv)}\n".encode())
             log.flush()
@@ -80,7 +88,7 @@ class ManagedProcess:
                     stdin=subprocess.DEVNULL, start_new_session=True,
                 )
             except BaseException:
-                self._remove_ipc_dir()
+                self._remove_temp_dir()
                 raise
 
     @property
@@ -167,12 +175,23 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             pass
         self.popen = None
-        self._remove_ipc_dir()
+        self._remove_temp_dir()
 
-    def _remove_ipc_dir(self) -> None:
-        if self.ipc_dir is not None:
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
-            self.ipc_dir = None
+    def _remove_temp_dir(self) -> None:
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
+
+
+def inductor_cache_dir() -> str:
+    """Where torch keeps compiled kernels when TORCHINDUCTOR_CACHE_DIR is not set
+    (torch._inductor's default_cache_dir): under the temp folder of the process that asks,
+    so an engine given a temp folder of its own would compile its kernels anew at each start."""
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except (KeyError, OSError):  # no name for this uid (a container): torch says the same
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 _START_FAILURES = (b"EngineCore failed to start", b"Engine core initialization failed")

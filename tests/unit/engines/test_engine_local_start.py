@@ -45,35 +45,44 @@ def test_a_failed_start_is_killed_after_a_short_grace(tmp_path: Path, monkeypatc
     assert not local.group_alive(pid)  # SIGKILL reached what ignored SIGTERM
 
 
-LEAVES_A_SOCKET = """
-import os, socket, sys, time, uuid
+LEAVES_FILES = """
+import os, socket, sys, tempfile, time, uuid
 path = os.path.join(os.environ.get("VLLM_RPC_BASE_PATH", "/nonexistent"), str(uuid.uuid4()))
 s = socket.socket(socket.AF_UNIX)
 s.bind(path)  # as vLLM's ZMQ ipc:// sockets are: a file left behind unless unlinked
+fd, rendezvous = tempfile.mkstemp(prefix="vllm_dist_")  # as torch distributed's file store is
+print(os.environ["TORCHINDUCTOR_CACHE_DIR"], flush=True)
+print(rendezvous, flush=True)
 print(path, flush=True)
 time.sleep(600)
 """
 
 
-def test_what_a_process_leaves_in_its_ipc_folder_goes_with_it(tmp_path: Path) -> None:
-    spec = ProcessSpec((sys.executable, "-c", LEAVES_A_SOCKET))
+def test_what_a_process_leaves_in_its_temp_folder_goes_with_it(tmp_path: Path) -> None:
+    spec = ProcessSpec((sys.executable, "-c", LEAVES_FILES))
     first, second = (local.ManagedProcess(f"engine{i}", spec, tmp_path / f"engine{i}.log") for i in (1, 2))
     try:
         first.start()
         second.start()
-        sockets = [_printed_path(p) for p in (first, second)]
+        printed = [_printed_paths(p, 3) for p in (first, second)]
+        sockets = [p[2] for p in printed]
         assert sockets[0].parent != sockets[1].parent  # a folder per start, never the shared temp folder
         assert all(s.is_socket() for s in sockets)
+        for inductor, rendezvous, socket_path in printed:
+            assert rendezvous.parent == socket_path.parent, "the temp folder (TMPDIR) is the life's folder"
+            assert str(inductor) == local.inductor_cache_dir(), "compiled kernels stay in the shared cache"
+            assert not str(inductor).startswith(str(socket_path.parent))
     finally:
         first.stop()
         second.stop()
+    assert not any(p.exists() for paths in printed for p in paths[1:])
     assert not any(s.parent.exists() for s in sockets)
 
 
-def _printed_path(proc: local.ManagedProcess) -> Path:
+def _printed_paths(proc: local.ManagedProcess, n: int) -> list[Path]:
     for _ in range(200):
         lines = [ln for ln in proc.log_path.read_text().splitlines() if ln.startswith("/")]
-        if lines:
-            return Path(lines[-1])
+        if len(lines) >= n:
+            return [Path(ln) for ln in lines[-n:]]
         time.sleep(0.05)
-    raise AssertionError(f"{proc.name} printed no socket path:\n{proc.log_path.read_text()}")
+    raise AssertionError(f"{proc.name} printed fewer than {n} paths:\n{proc.log_path.read_text()}")
